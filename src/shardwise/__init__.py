@@ -1,0 +1,20 @@
+"""shardwise: fully sharded data parallel training for PyTorch, on one engine."""
+
+from shardwise.comm import AllGather, Comm, ReduceScatter
+from shardwise.fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "AllGather",
+    "CPUOffloadPolicy",
+    "Comm",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ReduceScatter",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The one engine behind both public APIs. No public names live here."""

@@ -1,0 +1,150 @@
+"""Grouped collectives: one all-gather of a whole group's shards (copy-in,
+collective, copy-out) and one reduce-scatter of its gradients. Every buffer
+comes from the group's ``Comm`` and every collective goes through its call, so
+the default path and a user's custom collective are one code path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm import AllGather, Comm, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from shardwise.errors import CollectiveError
+
+from .sharded_param import ShardLayout
+
+T = TypeVar("T")
+
+
+class AllGatherResult(NamedTuple):
+    """An all-gather in flight."""
+
+    output: torch.Tensor  # [num_shards * total], rank-major
+    work: dist.Work | None
+    input: torch.Tensor  # kept alive until the collective completes
+    post_forward: bool  # gathered over the post-forward subgroup
+
+
+class ReduceScatterResult(NamedTuple):
+    """A gradient reduce-scatter in flight."""
+
+    output: torch.Tensor  # this rank's reduced padded shards, concatenated
+    work: dist.Work | None
+    input: torch.Tensor
+
+
+def is_default(comm: Comm) -> bool:
+    """Whether ``comm`` is ours (fresh buffers per call, so results may alias them)."""
+    return type(comm) in (DefaultAllGather, DefaultReduceScatter)
+
+
+def _guard(where: str, hook: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except Exception as exc:  # a user's comm raised: say whose and which hook
+        raise CollectiveError(f"{where}: the custom {hook} raised {type(exc).__name__}: {exc}") from exc
+
+
+def allocate(
+    comm: Comm, numel: int, dtype: torch.dtype, device: torch.device, where: str, hook: str
+) -> torch.Tensor:
+    """A 1-D buffer from ``comm.allocate``, checked."""
+    buf = _guard(where, f"{hook}.allocate", lambda: comm.allocate((numel,), dtype=dtype, device=device))
+    if not isinstance(buf, torch.Tensor):
+        raise CollectiveError(f"{where}: {hook}.allocate returned {type(buf).__name__}, not a Tensor")
+    if buf.numel() != numel or buf.dtype != dtype or buf.device != device or not buf.is_contiguous():
+        raise CollectiveError(
+            f"{where}: {hook}.allocate((numel={numel},), dtype={dtype}, device={device}) returned "
+            f"a tensor of shape {tuple(buf.shape)}, dtype {buf.dtype}, device {buf.device}"
+            f"{'' if buf.is_contiguous() else ', not contiguous'}; it must return exactly "
+            "what was asked for."
+        )
+    return buf.view(-1)
+
+
+def offsets(layouts: Sequence[ShardLayout]) -> list[int]:
+    out, acc = [], 0
+    for layout in layouts:
+        out.append(acc)
+        acc += layout.padded_numel
+    out.append(acc)
+    return out
+
+
+def start_all_gather(
+    comm: AllGather,
+    shards: Sequence[torch.Tensor],
+    flat_source: torch.Tensor | None,
+    layouts: Sequence[ShardLayout],
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    where: str,
+    post_forward: bool,
+) -> AllGatherResult:
+    """Issue one all-gather of every shard in ``shards`` (padded, in ``layouts``).
+
+    ``flat_source``, when given, already holds all shards back to back: with the
+    default comm it is sent as is (no copy-in) or cast in one op.
+    """
+    offs = offsets(layouts)
+    total = offs[-1]
+    num_shards = layouts[0].num_shards if layouts else 1
+    if flat_source is not None and is_default(comm):
+        inp = flat_source
+        if inp.device != device or inp.dtype != dtype:
+            inp = inp.to(device=device, dtype=dtype, non_blocking=True)
+    else:
+        inp = allocate(comm, total, dtype, device, where, "AllGather")
+        if flat_source is not None:
+            inp.copy_(flat_source)
+        else:
+            for shard, start, end, layout in zip(shards, offs, offs[1:], layouts):
+                inp[start:end].view(layout.padded_shape).copy_(shard)
+    out = allocate(comm, num_shards * total, dtype, device, where, "AllGather")
+    work = _guard(where, "AllGather", lambda: comm(out, inp, group, True))
+    return AllGatherResult(out, work, inp, post_forward)
+
+
+def finish_all_gather(
+    result: AllGatherResult,
+    fulls: Sequence[torch.Tensor],
+    layouts: Sequence[ShardLayout],
+    where: str,
+) -> None:
+    """Wait for the all-gather and copy each parameter out of the rank-major buffer."""
+    if result.work is not None:
+        _guard(where, "AllGather work", result.work.wait)
+    offs = offsets(layouts)
+    num_shards = layouts[0].num_shards if layouts else 1
+    gathered = result.output.view(num_shards, -1)
+    for full, start, end, layout in zip(fulls, offs, offs[1:], layouts):
+        layout.gather_into(full, gathered[:, start:end].view(num_shards, *layout.padded_shape))
+
+
+def start_reduce_scatter(
+    comm: ReduceScatter,
+    grads: Sequence[torch.Tensor],
+    layouts: Sequence[ShardLayout],
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    predivide: float,
+    where: str,
+) -> ReduceScatterResult:
+    """Issue one reduce-scatter (SUM) of every gradient, laid out rank-major."""
+    offs = offsets(layouts)
+    total = offs[-1]
+    num_shards = layouts[0].num_shards
+    inp = allocate(comm, num_shards * total, dtype, device, where, "ReduceScatter")
+    rows = inp.view(num_shards, total)
+    for grad, start, end, layout in zip(grads, offs, offs[1:], layouts):
+        layout.scatter_from(grad, rows[:, start:end].view(num_shards, *layout.padded_shape))
+    if predivide != 1.0:
+        inp.div_(predivide)
+    out = allocate(comm, total, dtype, device, where, "ReduceScatter")
+    work = _guard(where, "ReduceScatter", lambda: comm(out, inp, group, dist.ReduceOp.SUM, True))
+    return ReduceScatterResult(out, work, inp)

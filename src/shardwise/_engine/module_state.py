@@ -1,0 +1,254 @@
+"""Per-``fully_shard``-call state: the forward/backward hooks that drive a
+``ParamGroup``, lazy root initialisation at the first forward, and the root's
+end-of-backward callback.
+
+[Note: post-backward trigger]
+A group's post-backward (reduce-scatter, reshard) runs when the gradient with
+respect to its module's *inputs* is computed (an identity autograd function
+wraps the inputs in pre-forward): by then every node that uses the module's
+unsharded parameters has run. Modules whose inputs need no gradient (an
+embedding over token ids) and anything the hooks missed are handled by the
+root's final callback, queued at the first pre-backward of each backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from shardwise.policies import MixedPrecisionPolicy
+
+from .param_group import IterationContext, ParamGroup, TrainingState
+
+# module -> its state; weak so that dropping a model frees everything.
+_STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
+
+
+def state_of(module: nn.Module) -> ModuleState | None:
+    return _STATES.get(module)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the module's inputs whose backward triggers post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+class ModuleState:
+    """Hooks and lifecycle for the module(s) of one ``fully_shard`` call."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: ParamGroup | None,
+        mp: MixedPrecisionPolicy,
+        auto_reshard_after_forward: bool,
+        device: torch.device,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.mp = mp
+        self.device = device
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.is_root: bool | None = None  # decided at the first forward
+        self.ctx = group.ctx if group is not None else IterationContext()
+        self.name = type(modules[0]).__name__
+        # For a list of modules: those whose forward has not finished yet.
+        self._modules_to_run: set[int] = set()
+        self._hook_handles = []
+        for module in modules:
+            _STATES[module] = self
+            self._hook_handles.append(
+                module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            )
+            self._hook_handles.append(module.register_forward_hook(self._post_forward_hook, prepend=False))
+
+    # ---- lazy init ------------------------------------------------------------
+    def lazy_init(self) -> None:
+        """Make this state the root of every state in its modules' subtrees."""
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        ctx = IterationContext(root=self)
+        states: list[ModuleState] = []
+        seen: set[int] = set()
+        for module in self.modules:
+            for name, sub in module.named_modules():
+                state = _STATES.get(sub)
+                if state is None or id(state) in seen:
+                    continue
+                seen.add(id(state))
+                states.append(state)
+                if state is not self:
+                    state.is_root = False
+                    state.name = name or state.name
+        ctx.states = states
+        for state in states:
+            state.ctx = ctx
+            if state.group is not None:
+                state.group.ctx = ctx
+                state.group.name = state.name if state is not self else f"{state.name} (root)"
+                state.group.reset_sharded_params()
+        if self.auto_reshard_after_forward and self.group is not None:
+            # The root's backward starts right after its forward: keep its params.
+            self.group.set_reshard_after_forward(False)
+
+    # ---- forward --------------------------------------------------------------
+    def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if len(self.modules) > 1:
+            if self._modules_to_run:
+                return args, kwargs  # the group's forward already started
+            self._modules_to_run = {id(m) for m in self.modules}
+        return self.pre_forward(args, kwargs)
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if len(self.modules) > 1:
+            self._modules_to_run.discard(id(module))
+            if self._modules_to_run:
+                return output
+        return self.post_forward(output)
+
+    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        self.lazy_init()
+        with record_function(f"shardwise::pre_forward ({self.name})"):
+            if self.is_root and self.device.type != "cpu":
+                    args, kwargs = tree_map(self._to_device, (args, kwargs))
+            if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
+                args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
+            if self.group is not None:
+                self.group.pre_forward()
+                if torch.is_grad_enabled():
+                    args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, output: Any) -> Any:
+        with record_function(f"shardwise::post_forward ({self.name})"):
+            if self.group is not None:
+                self.group.post_forward()
+            if self.mp.output_dtype is not None:
+                output = _cast_floats(output, self.mp.output_dtype)
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+            if self.is_root:
+                self._root_post_forward()
+        return output
+
+    def _to_device(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device != self.device:
+            return x.to(self.device, non_blocking=True)
+        return x
+
+    def _root_post_forward(self) -> None:
+        ctx = self.ctx
+        ctx.freeze_forward_order()
+        for state in ctx.states:
+            group = state.group
+            if group is None or state is self:
+                continue
+            if state._modules_to_run:  # a list-group some of whose modules never ran
+                state._modules_to_run.clear()
+                group.post_forward()
+            if group._prefetched and group.training_state == TrainingState.IDLE:
+                group.reshard()  # prefetched for a forward that did not come
+
+    def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    # ---- backward -------------------------------------------------------------
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        ctx = self.ctx
+        if not ctx.final_callback_queued and ctx.root is not None:
+            ctx.final_callback_queued = True
+            Variable._execution_engine.queue_callback(ctx.root.finalize_backward)
+        if self.group is not None:
+            with record_function(f"shardwise::pre_backward ({self.name})"):
+                self.group.pre_backward()
+
+    def post_backward(self) -> None:
+        if self.group is not None:
+            self.group.post_backward()
+
+    def finalize_backward(self) -> None:
+        """The root's end-of-backward callback: every group under the root."""
+        ctx = self.ctx
+        with record_function("shardwise::finalize_backward"):
+            try:
+                for state in ctx.states:
+                    if state.group is not None:
+                        state.group.finalize_backward()
+                if ctx.is_last_backward:
+                    ctx.drain(keep=0)
+            finally:
+                ctx.post_forward_order.clear()
+                ctx.final_callback_queued = False
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward/backward: finish collectives,
+        reshard, drop this iteration's trackers and pending gradients."""
+        ctx = self.ctx
+        for state in ctx.states or [self]:
+            group = state.group
+            state._modules_to_run.clear()
+            if group is None:
+                continue
+            if group._in_flight is not None:
+                group.wait_for_unshard()
+            group.reshard()
+            group.training_state = TrainingState.IDLE
+            group.post_forward_indices.clear()
+            group.free_accumulated_grads()
+        while ctx.pending:
+            pr = ctx.pending.popleft()
+            for work in (pr.result.work, pr.all_reduce_work):
+                if work is not None:
+                    work.wait()
+        ctx.post_forward_order.clear()
+        ctx.recording = []
+        ctx.final_callback_queued = False
+
+
+def states_under(module: nn.Module) -> list[ModuleState]:
+    """Every distinct state in ``module``'s subtree, in module order."""
+    out: list[ModuleState] = []
+    seen: set[int] = set()
+    for sub in module.modules():
+        state = _STATES.get(sub)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            out.append(state)
+    return out
+
+

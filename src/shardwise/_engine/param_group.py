@@ -1,0 +1,480 @@
+"""The communication unit: the parameters of one ``fully_shard`` call, gathered
+by one all-gather and reduced by one reduce-scatter.
+
+[Note: prefetch order]
+Collectives on one process group complete in issue order, so overlap is decided
+by when each is issued. In forward, a group issues its own all-gather, then the
+next group's (the order recorded in the first iteration, or the explicit list),
+then waits for its own: the next gather runs while this group computes. In
+backward, the order is the reverse of this iteration's post-forward order; a
+group prefetches the one before it once its own gather is issued. Groups are
+resharded after their forward/backward, so besides the root at most the current
+and the prefetched group hold unsharded parameters.
+
+[Note: pending reductions]
+A reduce-scatter is issued asynchronously in post-backward and finished (waited,
+all-reduced across replicas for HSDP, divided, installed as ``.grad``) later: at
+the next group's post-backward (keeping at most one in flight besides the new
+one) or at the end of backward. HSDP all-reduces are likewise issued async and
+finished one step later.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.profiler import record_function
+
+from shardwise.comm import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from shardwise.mesh import MeshInfo, SubgroupInfo
+from shardwise.policies import MixedPrecisionPolicy
+
+from . import collectives as coll
+from .sharded_param import ShardedParam, ShardedState, ShardLayout, free_storage
+
+if TYPE_CHECKING:
+    from .module_state import ModuleState
+
+
+class TrainingState(Enum):
+    """What the group is doing in the current iteration."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+@dataclass
+class PendingReduction:
+    """A gradient reduction between its reduce-scatter and its ``.grad``."""
+
+    group: ParamGroup
+    params: list[ShardedParam]
+    result: coll.ReduceScatterResult
+    # The replicate all-reduce (HSDP) once issued.
+    all_reduce_work: dist.Work | None = None
+
+
+@dataclass
+class IterationContext:
+    """State shared by every group under one root, for one iteration at a time."""
+
+    root: ModuleState | None = None
+    states: list[ModuleState] = field(default_factory=list)
+    # Groups in pre-forward order, recorded during the first forward; then frozen.
+    forward_order: list[ParamGroup] | None = None
+    recording: list[ParamGroup] = field(default_factory=list)
+    forward_index: dict[int, int] = field(default_factory=dict)
+    # Groups in post-forward order this iteration (reverse = backward order).
+    post_forward_order: list[ParamGroup] = field(default_factory=list)
+    pending: deque[PendingReduction] = field(default_factory=deque)
+    is_last_backward: bool = True
+    final_callback_queued: bool = False
+    post_optim_event: Any = None
+
+    def freeze_forward_order(self) -> None:
+        if self.forward_order is None and self.recording:
+            self.forward_order = list(self.recording)
+            self.forward_index = {id(g): i for i, g in reversed(list(enumerate(self.forward_order)))}
+        self.recording = []
+
+    def next_in_forward(self, group: ParamGroup) -> ParamGroup | None:
+        if self.forward_order is None:
+            return None
+        i = self.forward_index.get(id(group))
+        if i is None or i + 1 >= len(self.forward_order):
+            return None
+        return self.forward_order[i + 1]
+
+    def drain(self, keep: int) -> None:
+        """Finish pending reductions, oldest first, until at most ``keep`` remain."""
+        while len(self.pending) > keep:
+            pr = self.pending.popleft()
+            if pr.group.advance_reduction(pr):
+                continue
+            self.pending.append(pr)  # its all-reduce is now in flight
+
+
+class ParamGroup:
+    """Parameters that are gathered together and reduced together."""
+
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        modules: tuple[nn.Module, ...],
+        info: MeshInfo,
+        device: torch.device,
+        mp: MixedPrecisionPolicy,
+        reshard_after_forward: bool | int,
+        storage_device: torch.device,
+        name: str,
+        pin_memory: bool = False,
+    ) -> None:
+        self.params = params
+        self.modules = modules
+        self.info = info
+        self.device = device  # compute device: where unsharded parameters live
+        self.storage_device = storage_device  # where shards live (CPU when offloaded)
+        self.pin_memory = pin_memory
+        self.name = name
+        self.mp = mp
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.ctx = IterationContext()
+        self.all_gather_comm: AllGather = DefaultAllGather()
+        self.reduce_scatter_comm: ReduceScatter = DefaultReduceScatter()
+        self._in_flight: coll.AllGatherResult | None = None
+        # Set when the engine prefetched this group; cleared when it is used.
+        self._prefetched = False
+        self.requires_grad_sync = True
+        self.requires_all_reduce = True
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.gradient_divide_factor: float | None = None
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.post_forward_indices: list[int] = []
+        self.forward_prefetch: list[ParamGroup] | None = None
+        self.backward_prefetch: list[ParamGroup] | None = None
+        # HSDP with all-reduce off: reduce-scattered sums awaiting their all-reduce.
+        self._partial: tuple[list[ShardedParam], torch.Tensor] | None = None
+        self._post_forward_data: torch.Tensor | None = None
+        self.flat_sharded: torch.Tensor | None = None
+        self.subgroup: SubgroupInfo | None = None
+        self.reshard_after_forward = True
+        self.set_reshard_after_forward(reshard_after_forward)
+        self._init_storage([p.sharded_param for p in params])
+
+    # ---- configuration --------------------------------------------------------
+    def set_reshard_after_forward(self, value: bool | int) -> None:
+        from shardwise.mesh import post_forward_subgroup
+
+        if isinstance(value, bool):
+            self.reshard_after_forward, self.subgroup = value, None
+        else:
+            self.reshard_after_forward = True
+            self.subgroup = post_forward_subgroup(self.info, value)
+            for p in self.params:
+                p.post_forward_layout = ShardLayout.make(
+                    p.full_shape, p.shard_dim, value, self.subgroup.rank
+                )
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self.params[0].orig_dtype
+
+    def gather_dtype(self, p: ShardedParam) -> torch.dtype:
+        return self.mp.param_dtype or p.orig_dtype
+
+    def reduce_dtype_for(self, grad: torch.Tensor) -> torch.dtype:
+        return self.mp.reduce_dtype or grad.dtype
+
+    # ---- sharded storage ------------------------------------------------------
+    def _init_storage(self, sources: list[torch.Tensor]) -> None:
+        """Lay every shard out in one flat buffer when dtypes agree (so the
+        all-gather input needs no copy-in), else one buffer per parameter."""
+        dtypes = {src.dtype for src in sources}
+        device = self.storage_device
+        if any(src.device.type == "meta" for src in sources):
+            device = torch.device("meta")
+        total = sum(p.layout.padded_numel for p in self.params)
+        if len(dtypes) == 1:
+            pin = self.pin_memory and device.type == "cpu"
+            flat = torch.empty(total, dtype=dtypes.pop(), device=device, pin_memory=pin)
+            self.flat_sharded = flat
+            offs = coll.offsets([p.layout for p in self.params])
+            views = [flat[a:b].view(p.layout.padded_shape) for p, a, b in zip(self.params, offs, offs[1:])]
+        else:
+            self.flat_sharded = None
+            views = [torch.empty(p.layout.padded_shape, dtype=s.dtype, device=device) for p, s in zip(self.params, sources)]
+        for p, view, src in zip(self.params, views, sources):
+            p.orig_dtype = src.dtype
+            p.adopt_storage(view, src)
+
+    def reset_sharded_params(self) -> None:
+        """Re-adopt parameters that ``to_empty`` / ``_apply`` / assign-loading
+        replaced, so the flat buffer is again what the module holds."""
+        if all(p.local_is_adopted() for p in self.params):
+            return
+        if self.sharded_state != ShardedState.SHARDED:
+            self.reshard()
+        sources = [p.current_source() for p in self.params]
+        devices = {s.device for s in sources}
+        if len(devices) != 1:
+            raise AssertionError(f"rank {dist.get_rank()}: {self.name} shards span devices {devices}")
+        dev = devices.pop()
+        if dev.type != "meta":
+            self.storage_device = dev
+        self._init_storage(sources)
+
+    # ---- unshard / reshard ----------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state == ShardedState.UNSHARDED
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the all-gather (idempotent: nothing if unsharded or in flight)."""
+        if self._in_flight is None and not self.is_unsharded:
+            self._wait_post_optim_event()
+            post_forward = self.sharded_state == ShardedState.SHARDED_POST_FORWARD
+            with record_function(f"shardwise::all_gather ({self.name})"):
+                if post_forward:
+                    if self.subgroup is None or self._post_forward_data is None:
+                        raise AssertionError(f"rank {dist.get_rank()}: {self.name} lost its post-forward shards")
+                    layouts = [p.post_forward_layout for p in self.params]
+                    self._in_flight = coll.start_all_gather(
+                        self.all_gather_comm, [], self._post_forward_data, layouts,  # type: ignore[arg-type]
+                        self.subgroup.group, self._post_forward_data.dtype, self.device, self.name, True,
+                    )
+                else:
+                    dtype = self.gather_dtype(self.params[0])
+                    if any(self.gather_dtype(p) != dtype for p in self.params):
+                        raise AssertionError(f"{self.name}: parameters of one group gather in one dtype")
+                    self._in_flight = coll.start_all_gather(
+                        self.all_gather_comm, [p.sharded_data for p in self.params], self.flat_sharded,
+                        [p.layout for p in self.params], self.info.shard_group, dtype, self.device,
+                        self.name, False,
+                    )
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish the in-flight all-gather: copy out, register unsharded params."""
+        result = self._in_flight
+        if result is None:
+            return
+        self._in_flight = None
+        with record_function(f"shardwise::all_gather_copy_out ({self.name})"):
+            layouts = [p.post_forward_layout if result.post_forward else p.layout for p in self.params]
+            dtype = result.output.dtype
+            fulls = [p.ensure_unsharded(dtype, self.device).data for p in self.params]
+            coll.finish_all_gather(result, fulls, layouts, self.name)  # type: ignore[arg-type]
+        self._post_forward_data = None
+        self.sharded_state = ShardedState.UNSHARDED
+        for p in self.params:
+            p.register_unsharded()
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones (idempotent)."""
+        if self._in_flight is not None:
+            self.wait_for_unshard()
+        if self.sharded_state == ShardedState.SHARDED:
+            return
+        for p in self.params:
+            p.free_unsharded()
+            p.register_sharded()
+        self._post_forward_data = None
+        self.sharded_state = ShardedState.SHARDED
+        self._prefetched = False
+
+    def _reshard_post_forward(self) -> None:
+        """Keep only this rank's chunk over the post-forward subgroup."""
+        if self.subgroup is None or not self.is_unsharded:
+            self.reshard()
+            return
+        layouts: list[ShardLayout] = [p.post_forward_layout for p in self.params]  # type: ignore[misc]
+        offs = coll.offsets(layouts)
+        first = self.params[0].unsharded_param
+        if first is None:
+            raise AssertionError(f"{self.name}: unsharded before any unshard")
+        data = torch.empty(offs[-1], dtype=first.dtype, device=self.device)
+        for p, layout, a, b in zip(self.params, layouts, offs, offs[1:]):
+            view = data[a:b].view(layout.padded_shape)
+            rows = layout.local_rows
+            if rows:
+                view.narrow(layout.dim, 0, rows).copy_(layout.local_chunk(p.unsharded_param))  # type: ignore[arg-type]
+            view.narrow(layout.dim, rows, layout.chunk - rows).zero_()
+            p.free_unsharded()
+            p.register_sharded()
+        self._post_forward_data = data
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def _wait_post_optim_event(self) -> None:
+        event = self.ctx.post_optim_event
+        if event is not None:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().wait_event(event)
+            self.ctx.post_optim_event = None
+
+    def prefetch(self) -> None:
+        """Engine-initiated async unshard; undone at root post-forward if unused."""
+        if self._in_flight is None and not self.is_unsharded:
+            self._prefetched = True
+            with record_function(f"shardwise::prefetch ({self.name})"):
+                self.unshard(async_op=True)
+
+    # ---- forward --------------------------------------------------------------
+    def pre_forward(self) -> None:
+        self.training_state = TrainingState.FORWARD
+        self._prefetched = False
+        if self.ctx.forward_order is None:
+            self.ctx.recording.append(self)
+        self.unshard(async_op=True)
+        targets = self.forward_prefetch
+        if targets is None:
+            nxt = self.ctx.next_in_forward(self)
+            targets = [nxt] if nxt is not None else []
+        for target in targets:
+            if target.training_state == TrainingState.IDLE:
+                target.prefetch()
+        self.wait_for_unshard()
+
+    def post_forward(self) -> None:
+        if self.reshard_after_forward:
+            if self.subgroup is not None:
+                self._reshard_post_forward()
+            else:
+                self.reshard()
+        if torch.is_grad_enabled():
+            self.post_forward_indices.append(len(self.ctx.post_forward_order))
+            self.ctx.post_forward_order.append(self)
+        self.training_state = TrainingState.IDLE
+
+    # ---- backward -------------------------------------------------------------
+    def pre_backward(self) -> None:
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self._prefetched = False
+        if self.unshard_in_backward:
+            self.unshard(async_op=True)
+        targets = self.backward_prefetch
+        if targets is None:
+            targets = []
+            if self.post_forward_indices:
+                i = self.post_forward_indices.pop()
+                if i > 0:
+                    targets = [self.ctx.post_forward_order[i - 1]]
+        for target in targets:
+            if target.unshard_in_backward and target.training_state != TrainingState.PRE_BACKWARD:
+                target.prefetch()
+        if self.unshard_in_backward:
+            self.wait_for_unshard()
+
+    def post_backward(self) -> None:
+        """Reduce-scatter the gradients computed so far, then reshard."""
+        self.training_state = TrainingState.POST_BACKWARD
+        with record_function(f"shardwise::post_backward ({self.name})"):
+            params, grads = [], []
+            for p in self.params:
+                up = p.unsharded_param
+                if up is None or not p.requires_grad:
+                    continue
+                grad = up.grad
+                if not self.requires_grad_sync:
+                    rd = self.mp.reduce_dtype
+                    if grad is not None and rd is not None and grad.dtype != rd:
+                        acc = p.unsharded_accumulated_grad
+                        p.unsharded_accumulated_grad = grad.to(rd) if acc is None else acc.add_(grad)
+                        up.grad = None
+                    continue
+                acc = p.unsharded_accumulated_grad
+                if acc is not None:
+                    grad = acc if grad is None else acc.add_(grad)
+                    p.unsharded_accumulated_grad = None
+                if grad is None:
+                    continue
+                up.grad = None
+                params.append(p)
+                grads.append(grad)
+            if grads:
+                self.ctx.drain(keep=1)
+                self.ctx.pending.append(self._start_reduction(params, grads))
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _divide_factors(self, dtype: torch.dtype) -> tuple[float, float]:
+        factor = float(self.gradient_divide_factor or self.info.dp_size)
+        if dtype.itemsize >= 4 or factor <= 1:
+            return 1.0, factor
+        # Low precision: split the division around the sum against overflow/underflow.
+        pre = 2.0 ** round(math.log2(math.sqrt(factor)))
+        return pre, factor / pre
+
+    def _start_reduction(self, params: list[ShardedParam], grads: list[torch.Tensor]) -> PendingReduction:
+        dtype = self.reduce_dtype_for(grads[0])
+        pre, _ = self._divide_factors(dtype)
+        with record_function(f"shardwise::reduce_scatter ({self.name})"):
+            result = coll.start_reduce_scatter(
+                self.reduce_scatter_comm, grads, [p.layout for p in params],
+                self.info.shard_group, dtype, self.device, pre, self.name,
+            )
+        return PendingReduction(self, params, result)
+
+    def advance_reduction(self, pr: PendingReduction) -> bool:
+        """Move ``pr`` one stage on; True when its gradients are installed."""
+        out = pr.result.output
+        if pr.all_reduce_work is not None:
+            pr.all_reduce_work.wait()
+        else:
+            if pr.result.work is not None:
+                coll._guard(self.name, "ReduceScatter work", pr.result.work.wait)
+            if self.info.replicate_group is not None:
+                if self._partial is not None:
+                    if [id(p) for p in self._partial[0]] != [id(p) for p in pr.params]:
+                        raise AssertionError(f"{self.name}: partial reduction over other parameters")
+                    out.add_(self._partial[1])
+                    self._partial = None
+                if not self.requires_all_reduce:
+                    self._partial = (pr.params, out)
+                    return True
+                pr.all_reduce_work = dist.all_reduce(out, group=self.info.replicate_group, async_op=True)
+                return False
+        _, post = self._divide_factors(out.dtype)
+        if post != 1.0:
+            out.div_(post)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(out)
+        # Our own buffers are fresh per call, so gradients may be views of them.
+        alias = coll.is_default(self.reduce_scatter_comm)
+        offs = coll.offsets([p.layout for p in pr.params])
+        for p, a, b in zip(pr.params, offs, offs[1:]):
+            shard = out[a:b].view(p.layout.padded_shape).narrow(p.shard_dim, 0, p.layout.local_rows)
+            p.shard_grad(shard if alias else shard.clone())
+        return True
+
+    def finalize_backward(self) -> None:
+        """End of backward: reduce what hooks missed, reshard, reset state."""
+        if self.training_state != TrainingState.POST_BACKWARD:
+            has_grads = any(
+                p.unsharded_param is not None and p.unsharded_param.grad is not None
+                for p in self.params
+            )
+            if self.training_state == TrainingState.PRE_BACKWARD or (
+                has_grads and self.requires_grad_sync
+            ):
+                self.post_backward()
+        if self._in_flight is not None:
+            self.wait_for_unshard()
+            if self._prefetched:
+                self.reshard()
+        if self.reshard_after_backward and self.sharded_state != ShardedState.SHARDED:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        self.post_forward_indices.clear()
+        self._prefetched = False
+
+    def free_accumulated_grads(self) -> None:
+        for p in self.params:
+            p.unsharded_accumulated_grad = None
+            if p.unsharded_param is not None:
+                p.unsharded_param.grad = None
+        self._partial = None
+
+
+def unsharded_bytes(group: ParamGroup) -> int:
+    """Bytes held by this group's unsharded parameters right now."""
+    return sum(
+        p.unsharded_param.untyped_storage().size() for p in group.params if p.unsharded_param is not None
+    )
+
+
+__all__ = ["ParamGroup", "TrainingState", "IterationContext", "PendingReduction", "free_storage", "unsharded_bytes"]

@@ -1,0 +1,24 @@
+"""The exception tree. User mistakes subclass ValueError / TypeError so that
+callers can catch them the usual way; each message names the argument, the
+value and the fix."""
+
+from __future__ import annotations
+
+__all__ = ["ShardwiseError", "ConfigError", "ConfigTypeError", "CollectiveError"]
+
+
+class ShardwiseError(Exception):
+    """Base of every error shardwise raises on purpose."""
+
+
+class ConfigError(ShardwiseError, ValueError):
+    """A user-supplied value is wrong (bad argument, bad module layout)."""
+
+
+class ConfigTypeError(ShardwiseError, TypeError):
+    """A user-supplied value has the wrong type."""
+
+
+class CollectiveError(ShardwiseError, RuntimeError):
+    """A collective (usually a user-installed custom one) misbehaved: it raised,
+    or returned a buffer of the wrong shape, dtype or device."""
