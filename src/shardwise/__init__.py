@@ -1,7 +1,13 @@
 """shardwise: fully sharded data parallel training for PyTorch, on one engine."""
 
 from shardwise.comm import AllGather, Comm, ReduceScatter
-from shardwise.fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from shardwise.fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    summon_full_params,
+)
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -15,6 +21,7 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "summon_full_params",
 ]
 
 __version__ = "0.1.0"

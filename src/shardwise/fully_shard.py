@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, overload
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise._engine.module_state import ModuleState, state_of, states_under
 from shardwise._engine.param_group import ParamGroup
@@ -20,11 +21,11 @@ from shardwise.errors import ConfigError, ConfigTypeError
 from shardwise.mesh import MeshInfo, default_mesh, mesh_info, resolve_reshard_after_forward
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "summon_full_params"]
 
 # original parameter -> description of the group that manages it, to refuse a
 # parameter shared by two groups.
-_OWNED: weakref.WeakKeyDictionary[torch.Tensor, str] = weakref.WeakKeyDictionary()
+_OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _FSDP_CLASSES: dict[type, type] = {}
 
 
@@ -243,6 +244,45 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(orig(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
+
+
+@contextlib.contextmanager
+def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
+    """Inside the context, ``module``'s FSDP parameters are whole, plain
+    full-precision tensors registered on their modules (outside forward and
+    backward only). On exit, changes are written back to the shards when
+    ``writeback`` and the parameters are resharded.
+
+    Used e.g. to initialise a model built on the meta device exactly as an
+    eager build would: ``to_empty``, then run the init inside this context.
+    Every rank holds the full parameters of every summoned group at once.
+
+    Args:
+        module: an FSDP module or a module containing some.
+        recurse: also summon every FSDP module below ``module``. (Default: ``True``)
+        writeback: copy modifications back to the shards on exit. (Default: ``True``)
+    """
+    states = states_under(module) if recurse else [s for s in [state_of(module)] if s is not None]
+    groups = [s.group for s in states if s.group is not None]
+    if not groups:
+        raise ConfigError(
+            f"summon_full_params: {type(module).__name__} has no fully_shard-ed parameters; "
+            "apply fully_shard first."
+        )
+    for group in groups:
+        group.reset_sharded_params()
+    done: list[ParamGroup] = []
+    try:
+        for group in groups:
+            group.summon()
+            done.append(group)
+        yield
+        if writeback:
+            for group in done:
+                group.write_back()
+    finally:
+        for group in done:
+            group.reshard()
 
 
 # ---- fully_shard ----------------------------------------------------------------

@@ -86,6 +86,13 @@ class ModuleState:
                 module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             )
             self._hook_handles.append(module.register_forward_hook(self._post_forward_hook, prepend=False))
+        if group is not None:
+            # Saving or loading a state dict always sees the sharded parameters,
+            # even right after a forward that kept them unsharded (e.g. the root).
+            owners = {id(m): m for p in group.params for m, _ in p.owners}
+            for owner in owners.values():
+                owner.register_state_dict_pre_hook(lambda *_a, **_k: group.reshard())
+                owner.register_load_state_dict_pre_hook(lambda *_a, **_k: group.reshard())
 
     # ---- lazy init ------------------------------------------------------------
     def lazy_init(self) -> None:

@@ -220,8 +220,9 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self.sharded_state == ShardedState.UNSHARDED
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Issue the all-gather (idempotent: nothing if unsharded or in flight)."""
+    def unshard(self, async_op: bool = False, dtype: torch.dtype | None = None) -> None:
+        """Issue the all-gather (idempotent: nothing if unsharded or in flight).
+        ``dtype`` overrides the mixed-precision gather dtype (full-precision summon)."""
         if self._in_flight is None and not self.is_unsharded:
             self._wait_post_optim_event()
             post_forward = self.sharded_state == ShardedState.SHARDED_POST_FORWARD
@@ -235,8 +236,8 @@ class ParamGroup:
                         self.subgroup.group, self._post_forward_data.dtype, self.device, self.name, True,
                     )
                 else:
-                    dtype = self.gather_dtype(self.params[0])
-                    if any(self.gather_dtype(p) != dtype for p in self.params):
+                    dtype = dtype or self.gather_dtype(self.params[0])
+                    if any((dtype or self.gather_dtype(p)) != dtype for p in self.params):
                         raise AssertionError(f"{self.name}: parameters of one group gather in one dtype")
                     self._in_flight = coll.start_all_gather(
                         self.all_gather_comm, [p.sharded_data for p in self.params], self.flat_sharded,
@@ -274,6 +275,30 @@ class ParamGroup:
         self._post_forward_data = None
         self.sharded_state = ShardedState.SHARDED
         self._prefetched = False
+
+    def summon(self) -> None:
+        """Unshard in the original (full-precision) dtype, outside forward/backward."""
+        if self.training_state != TrainingState.IDLE:
+            from shardwise.errors import ConfigError
+
+            raise ConfigError(
+                f"cannot summon full parameters of {self.name} during its forward or backward "
+                f"(state {self.training_state.name}); call it outside the training step."
+            )
+        full = [p.unsharded_param for p in self.params]
+        if self.is_unsharded and all(u is not None and u.dtype == p.orig_dtype for u, p in zip(full, self.params)):
+            return
+        self.reshard()
+        self.unshard(dtype=self.orig_dtype)
+
+    def write_back(self) -> None:
+        """Copy the (possibly modified) unsharded parameters into this rank's shards."""
+        if not self.is_unsharded:
+            raise AssertionError(f"rank {dist.get_rank()}: {self.name} is not unsharded")
+        with torch.no_grad():
+            for p in self.params:
+                local = p.sharded_data.narrow(p.shard_dim, 0, p.layout.local_rows)
+                local.copy_(p.layout.local_chunk(p.unsharded_param.detach()))  # type: ignore[union-attr]
 
     def _reshard_post_forward(self) -> None:
         """Keep only this rank's chunk over the post-forward subgroup."""

@@ -1,0 +1,301 @@
+"""Training-step benchmark: shardwise vs. PyTorch FSDP2 vs. DDP vs. an unsharded local run.
+
+All configs train the same GPT (``shardwise.models``) with AdamW on synthetic batches, on
+CPU with the gloo backend, ``--nproc`` ranks (default 2), one thread per rank:
+
+* ``shardwise``  - ``shardwise.fully_shard`` on every block, then on the root;
+* ``torch_fsdp`` - ``torch.distributed.fsdp.fully_shard``, wrapped the same way;
+* ``ddp``        - ``DistributedDataParallel`` (full replica per rank, gradient all-reduce);
+* ``local``      - each rank trains its own full copy, no communication at all.
+
+Each config runs in its own freshly spawned set of rank processes, one config after another,
+so a process's peak RSS belongs to that config alone.  Per rank we measure the median step
+time (zero_grad + forward + backward + AdamW step) over ``--steps`` steps after ``--warmup``
+steps, the peak resident set size (``ru_maxrss``) and the model-state bytes this rank holds:
+parameters + gradients + optimizer state (for DTensors only the local shard counts).
+The table shows, per config, the worst rank's value, as the median over ``--repeats`` runs
+of the whole set of configs.  Peak RSS includes the Python/torch baseline (a few hundred MiB)
+and the full model every rank builds before wrapping.
+
+Ratios are taken against ``torch_fsdp``: a step ratio of 1.10 means 10% slower than PyTorch's
+fully_shard; RSS / state ratios below 1 mean less memory.  With ``--nproc 2`` both FSDP
+implementations should hold about half of DDP's / local's model state.  ``--mp bf16``
+(bf16 params, fp32 gradient reduction) applies to the two FSDP configs only; DDP and local
+stay in fp32.  Timings are only comparable on an otherwise idle machine.
+
+Example: ``python benchmarks/bench_step.py --configs torch_fsdp,ddp --steps 10 --json out.json``
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, here and in every rank
+
+import argparse
+import datetime
+import importlib.util
+import json
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if importlib.util.find_spec("shardwise") is None:  # not pip-installed: use the source tree
+    sys.path.insert(0, str(SRC))
+try:
+    from shardwise.models import GPT, GPTConfig, synthetic_batch
+except Exception:  # noqa: BLE001 - the package itself is broken: load the model file alone
+    _spec = importlib.util.spec_from_file_location("_bench_models", SRC / "shardwise" / "models.py")
+    assert _spec is not None and _spec.loader is not None
+    _models = sys.modules["_bench_models"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_models)
+    GPT, GPTConfig, synthetic_batch = _models.GPT, _models.GPTConfig, _models.synthetic_batch
+
+CONFIGS = ("shardwise", "torch_fsdp", "ddp", "local")
+BASELINE = "torch_fsdp"
+MIB = 2**20
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` held by this rank (a DTensor's local shard only)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def model_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Parameters + gradients + optimizer state held locally by this rank."""
+    total = 0
+    for p in model.parameters():
+        total += local_bytes(p)
+        if p.grad is not None:
+            total += local_bytes(p.grad)
+    for state in opt.state.values():
+        total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def shardwise_api() -> tuple[Any, Any]:
+    """Return shardwise's ``(fully_shard, MixedPrecisionPolicy)``; raises ImportError if absent."""
+    from shardwise import fully_shard
+
+    try:
+        from shardwise import MixedPrecisionPolicy
+    except ImportError:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    return fully_shard, MixedPrecisionPolicy
+
+
+def wrap(config: str, model: GPT, args: argparse.Namespace, world_size: int) -> torch.nn.Module:
+    """Apply ``config``'s parallelism to ``model`` (all ranks must build identical models)."""
+    if config == "local":
+        return model
+    if config == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if config == "shardwise":
+        fully_shard, mp_cls = shardwise_api()
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as mp_cls
+        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kwargs: dict[str, Any] = {"mesh": init_device_mesh("cpu", (world_size,))}
+    if args.mp == "bf16":
+        kwargs["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir: str) -> None:
+    """One rank of one config: train, time, measure, write ``rank{rank}.json`` to ``out_dir``."""
+    torch.set_num_threads(1)
+    out = Path(out_dir) / f"rank{rank}.json"
+    try:
+        if config != "local":
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=args.nproc,
+                timeout=datetime.timedelta(seconds=args.timeout),
+            )
+        cfg = GPTConfig(
+            vocab_size=args.vocab, seq_len=args.seq_len, dim=args.dim,
+            n_layers=args.layers, n_heads=args.heads,
+        )
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        n_params = model.num_params()
+        model = wrap(config, model, args, args.nproc)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batches = [
+            synthetic_batch(cfg, args.batch_size, seed=i, rank=rank)
+            for i in range(args.warmup + args.steps)
+        ]
+        times, losses = [], []
+        for i, (inputs, targets) in enumerate(batches):
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = GPT.loss(model(inputs), targets)
+            loss.backward()
+            opt.step()
+            elapsed = time.perf_counter() - t0
+            losses.append(loss.item())
+            if i >= args.warmup:
+                times.append(elapsed)
+        result = {
+            "step_ms": 1e3 * statistics.median(times),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "state_mib": model_state_bytes(model, opt) / MIB,
+            "num_params": n_params,
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+        }
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}".strip()
+        out.write_text(json.dumps({"error": error, "t": time.time()}))
+        traceback.print_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out.write_text(json.dumps(result))
+
+
+def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn fresh ranks for one config; return per-rank results or an ``error`` message."""
+    if config == "shardwise":
+        try:
+            shardwise_api()
+        except Exception as exc:  # noqa: BLE001 - any import failure means "not there yet"
+            return {"error": f"unavailable: {type(exc).__name__}: {exc}"}
+    with tempfile.TemporaryDirectory(prefix=f"bench_{config}_") as tmp:
+        try:
+            mp.spawn(worker, args=(config, args, free_port(), tmp), nprocs=args.nproc, join=True)
+        except Exception as exc:  # noqa: BLE001 - report, and go on with the next config
+            # the earliest error is the cause; later ones are usually peers losing their link
+            errors = [json.loads(f.read_text()) for f in Path(tmp).glob("rank*.json")]
+            errors = sorted((e for e in errors if "error" in e), key=lambda e: e["t"])
+            msg = errors[0]["error"] if errors else f"{type(exc).__name__}: {exc}"
+            return {"error": f"failed: {(msg.splitlines() or ['?'])[0]}"}
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.nproc)]
+    return {"ranks": ranks}
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Worst rank per run, then the median over runs (repeats) for each metric."""
+    good = [r for r in runs if "ranks" in r]
+    if not good:
+        return {"error": runs[0]["error"] if runs else "not run"}
+    out: dict[str, Any] = {}
+    for key in ("step_ms", "peak_rss_mib", "state_mib"):
+        out[key] = statistics.median(max(rk[key] for rk in r["ranks"]) for r in good)
+    out["repeats_ok"] = len(good)
+    return out
+
+
+def format_table(summary: dict[str, dict[str, Any]]) -> str:
+    """Plain-text table with ratios to the ``torch_fsdp`` baseline."""
+    head = ("config", "step ms", "peak RSS MiB", "state MiB",
+            "step/torch", "RSS/torch", "state/torch")
+    lines = ["{:<11} {:>9} {:>13} {:>10} {:>11} {:>10} {:>12}".format(*head)]
+    base = summary.get(BASELINE, {})
+    for config, s in summary.items():
+        if "error" in s:
+            lines.append(f"{config:<11} {s['error'][:110]}")
+            continue
+        ratios = []
+        for key in ("step_ms", "peak_rss_mib", "state_mib"):
+            ok = key in base and base[key] > 0
+            ratios.append(f"{s[key] / base[key]:.2f}" if ok else "-")
+        lines.append(
+            f"{config:<11} {s['step_ms']:>9.1f} {s['peak_rss_mib']:>13.1f} {s['state_mib']:>10.2f}"
+            f" {ratios[0]:>11} {ratios[1]:>10} {ratios[2]:>12}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated subset of %(default)s")
+    p.add_argument("--nproc", type=int, default=2, help="world size (ranks per config)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    p.add_argument("--repeats", type=int, default=3, help="runs of the whole set; median reported")
+    p.add_argument("--mp", choices=("none", "bf16"), default="none",
+                   help="bf16: param_dtype=bf16, reduce_dtype=fp32 for both FSDP implementations")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4, help="per rank")
+    p.add_argument("--timeout", type=float, default=600, help="collective timeout, seconds")
+    p.add_argument("--json", type=Path, help="also write all results to this file")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(args.configs) - set(CONFIGS))
+    if unknown or not args.configs:
+        p.error(f"--configs: unknown {unknown}; choose from {','.join(CONFIGS)}")
+    if args.nproc < 1 or args.steps < 1 or args.warmup < 0 or args.repeats < 1:
+        p.error("--nproc, --steps and --repeats must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, dim=args.dim,
+                    n_layers=args.layers, n_heads=args.heads)  # validates the sizes early
+    print(
+        f"GPT dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads} seq={cfg.seq_len} "
+        f"vocab={cfg.vocab_size}; batch {args.batch_size}/rank; {args.nproc} ranks (gloo, CPU, "
+        f"1 thread each); mp={args.mp}; {args.warmup} warmup + {args.steps} timed steps; "
+        f"{args.repeats} repeat(s); torch {torch.__version__}",
+        flush=True,
+    )
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in args.configs}
+    for rep in range(args.repeats):
+        for config in args.configs:
+            if runs[config] and "error" in runs[config][-1]:
+                continue  # failed before: don't retry every repeat
+            t0 = time.perf_counter()
+            runs[config].append(run_config(config, args))
+            status = runs[config][-1].get("error", "ok")
+            print(f"  repeat {rep + 1}/{args.repeats} {config}: {status} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    summary = {c: summarise(r) for c, r in runs.items()}
+    print(format_table(summary))
+    if args.json:
+        args.json.write_text(json.dumps(
+            {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+             "torch": torch.__version__, "summary": summary, "runs": runs}, indent=2))
+    failed = [c for c, s in summary.items() if s.get("error", "").startswith("failed")]
+    return 1 if failed else 0  # an "unavailable" config is reported, not a failure
+
+
+if __name__ == "__main__":
+    sys.exit(main())
