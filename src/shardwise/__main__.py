@@ -1,0 +1,3 @@
+from shardwise.cli import main
+
+main()

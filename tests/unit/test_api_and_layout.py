@@ -1,0 +1,198 @@
+"""The public surface is exact, imports flow one way, and the library never
+leans on PyTorch's own FSDP."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardwise
+
+SRC = Path(shardwise.__file__).parent
+
+# bottom -> top; a module may import only from its own layer or those below.
+LAYERS = {
+    "shardwise.policies": 0,
+    "shardwise.errors": 0,
+    "shardwise.comm": 0,
+    "shardwise.mesh": 1,
+    "shardwise._engine": 2,
+    "shardwise.fully_shard": 3,
+    "shardwise.models": 0,
+    "shardwise.testing": 9,
+    "shardwise.cli": 9,
+    "shardwise.__main__": 9,
+    "shardwise": 4,  # the package __init__
+}
+
+
+def _layer(module: str) -> int:
+    best = ""
+    for name in LAYERS:
+        if (module == name or module.startswith(name + ".")) and len(name) > len(best):
+            best = name
+    return LAYERS[best]
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        out.append((name, path))
+    return out
+
+
+def _imports(path: Path, package: str) -> list[str]:
+    tree = ast.parse(path.read_text())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                names.append(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                names.append(node.module)
+    return names
+
+
+def test_public_names_are_exact():
+    assert sorted(shardwise.__all__) == sorted(
+        [
+            "AllGather",
+            "CPUOffloadPolicy",
+            "Comm",
+            "FSDPModule",
+            "MixedPrecisionPolicy",
+            "OffloadPolicy",
+            "ReduceScatter",
+            "UnshardHandle",
+            "fully_shard",
+            "register_fsdp_forward_method",
+            "summon_full_params",
+        ]
+    )
+    for name in shardwise.__all__:
+        assert getattr(shardwise, name) is not None
+
+
+@pytest.mark.parametrize("name,path", _modules(), ids=lambda v: str(v))
+def test_imports_flow_one_way(name, path):
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    own = _layer(name)
+    for imported in _imports(path, package):
+        if not imported.startswith("shardwise"):
+            assert not imported.startswith(("torch.distributed.fsdp", "torch.distributed._composable")), (
+                f"{name} imports {imported}: the engine is ours"
+            )
+            continue
+        if name.startswith("shardwise.testing") or name.startswith("shardwise.cli"):
+            continue
+        assert not imported.startswith("shardwise.testing"), f"{name} imports the test harness"
+        assert _layer(imported) <= own, f"{name} (layer {own}) imports {imported} (layer {_layer(imported)})"
+
+
+def test_no_bare_assert_in_library():
+    for name, path in _modules():
+        if name.startswith("shardwise.testing"):
+            continue
+        tree = ast.parse(path.read_text())
+        asserts = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)]
+        assert not asserts, f"{path}:{asserts}: raise AssertionError(...) instead (asserts vanish under -O)"
+
+
+def test_modules_stay_small():
+    for _, path in _modules():
+        n = len(path.read_text().splitlines())
+        assert n <= 1000, f"{path} has {n} lines; split it by concept"
+
+
+def test_fsdp_module_methods_match_pytorch_signatures():
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from shardwise import FSDPModule
+
+    for name in [
+        "reshard", "unshard", "set_requires_gradient_sync", "set_requires_all_reduce",
+        "set_reshard_after_forward", "set_reshard_after_backward", "set_is_last_backward",
+        "set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch",
+        "set_reduce_scatter_divide_factor", "set_gradient_divide_factor", "set_unshard_in_backward",
+        "set_all_reduce_hook", "set_post_optim_event", "set_custom_all_gather",
+        "set_custom_reduce_scatter", "reset_iter_state",
+    ]:
+        ours = inspect.signature(getattr(FSDPModule, name))
+        theirs = inspect.signature(getattr(TorchFSDPModule, name))
+        assert list(ours.parameters) == list(theirs.parameters), name
+        for p in ours.parameters.values():
+            assert p.kind == theirs.parameters[p.name].kind, (name, p.name)
+            assert p.default == theirs.parameters[p.name].default, (name, p.name)
+
+
+def test_fully_shard_signature_matches_pytorch():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    ours = inspect.signature(shardwise.fully_shard).parameters
+    theirs = inspect.signature(torch_fully_shard).parameters
+    for name, p in ours.items():
+        assert name in theirs and p.kind == theirs[name].kind, name
+        if name != "mp_policy" and name != "offload_policy":
+            assert p.default == theirs[name].default, name
+
+
+def test_policies_are_frozen_and_validated():
+    from dataclasses import FrozenInstanceError
+
+    from shardwise import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with pytest.raises(FrozenInstanceError):
+        mp.param_dtype = torch.float16  # type: ignore[misc]
+    assert MixedPrecisionPolicy().cast_forward_inputs is True
+    assert isinstance(CPUOffloadPolicy(), OffloadPolicy) and CPUOffloadPolicy().pin_memory is True
+    with pytest.raises(TypeError, match="pin_memory must be a bool"):
+        CPUOffloadPolicy(pin_memory="yes")  # type: ignore[arg-type]
+
+
+def test_shard_layout_matches_torch_chunk():
+    from shardwise._engine.sharded_param import ShardLayout
+
+    for dim_size in range(0, 11):
+        for ws in (1, 2, 3, 4, 7):
+            full = torch.arange(dim_size * 3, dtype=torch.float32).reshape(dim_size, 3)
+            chunks = torch.chunk(full, ws, dim=0) if dim_size else ()
+            layouts = [ShardLayout.make(full.shape, 0, ws, r) for r in range(ws)]
+            gathered = torch.full((ws, *layouts[0].padded_shape), float("nan"))
+            for r, layout in enumerate(layouts):
+                expected = chunks[r] if r < len(chunks) else full[:0]
+                assert torch.equal(layout.local_chunk(full), expected), (dim_size, ws, r)
+                gathered[r, : layout.local_rows] = layout.local_chunk(full)
+            out = torch.empty_like(full)
+            layouts[0].gather_into(out, gathered)
+            assert torch.equal(out, full)
+            scattered = torch.full_like(gathered, float("nan"))
+            layouts[0].scatter_from(full, scattered)
+            assert not scattered.isnan().any()
+            for r, layout in enumerate(layouts):
+                assert torch.equal(scattered[r, : layout.local_rows], layout.local_chunk(full))
+
+
+def test_shard_layout_other_dim():
+    from shardwise._engine.sharded_param import ShardLayout
+
+    full = torch.randn(4, 7, 3)
+    ws = 3
+    layouts = [ShardLayout.make(full.shape, 1, ws, r) for r in range(ws)]
+    buf = torch.zeros(ws, *layouts[0].padded_shape)
+    layouts[0].scatter_from(full, buf)
+    for r, chunk in enumerate(torch.chunk(full, ws, dim=1)):
+        assert torch.equal(buf[r].narrow(1, 0, chunk.shape[1]), chunk)
+    out = torch.empty_like(full)
+    layouts[0].gather_into(out, buf)
+    assert torch.equal(out, full)
