@@ -144,6 +144,12 @@ class ParamGroup:
         self.post_forward_indices: list[int] = []
         self.forward_prefetch: list[ParamGroup] | None = None
         self.backward_prefetch: list[ParamGroup] | None = None
+        # Issue the backward prefetch after this group's reduce-scatter instead of
+        # before its gradient computation (less memory, later overlap).
+        self.prefetch_after_reduce = False
+        self._backward_targets: list[ParamGroup] = []
+        # Leave reduced gradients in the reduction dtype instead of upcasting.
+        self.keep_low_precision_grads = False
         # HSDP with all-reduce off: reduce-scattered sums awaiting their all-reduce.
         self._partial: tuple[list[ShardedParam], torch.Tensor] | None = None
         self._post_forward_data: torch.Tensor | None = None
@@ -378,11 +384,17 @@ class ParamGroup:
                 i = self.post_forward_indices.pop()
                 if i > 0:
                     targets = [self.ctx.post_forward_order[i - 1]]
+        self._backward_targets = targets
+        if not self.prefetch_after_reduce:
+            self._prefetch_backward()
+        if self.unshard_in_backward:
+            self.wait_for_unshard()
+
+    def _prefetch_backward(self) -> None:
+        targets, self._backward_targets = self._backward_targets, []
         for target in targets:
             if target.unshard_in_backward and target.training_state != TrainingState.PRE_BACKWARD:
                 target.prefetch()
-        if self.unshard_in_backward:
-            self.wait_for_unshard()
 
     def post_backward(self) -> None:
         """Reduce-scatter the gradients computed so far, then reshard."""
@@ -415,6 +427,7 @@ class ParamGroup:
                 self.ctx.pending.append(self._start_reduction(params, grads))
         if self.reshard_after_backward:
             self.reshard()
+        self._prefetch_backward()  # BACKWARD_POST order: after the reduce-scatter
 
     def _divide_factors(self, dtype: torch.dtype) -> tuple[float, float]:
         factor = float(self.gradient_divide_factor or self.info.dp_size)
@@ -463,7 +476,7 @@ class ParamGroup:
         offs = coll.offsets([p.layout for p in pr.params])
         for p, a, b in zip(pr.params, offs, offs[1:]):
             shard = out[a:b].view(p.layout.padded_shape).narrow(p.shard_dim, 0, p.layout.local_rows)
-            p.shard_grad(shard if alias else shard.clone())
+            p.shard_grad(shard if alias else shard.clone(), keep_dtype=self.keep_low_precision_grads)
         return True
 
     def finalize_backward(self) -> None:

@@ -250,19 +250,21 @@ class ShardedParam:
         if self.unsharded_param is not None:
             free_storage(self.unsharded_param)
 
-    def shard_grad(self, grad_shard: torch.Tensor) -> None:
+    def shard_grad(self, grad_shard: torch.Tensor, keep_dtype: bool = False) -> None:
         """Install (or accumulate) this rank's reduced, unpadded gradient chunk
-        as the DTensor ``.grad`` of the sharded parameter."""
-        if grad_shard.dtype != self.orig_dtype or grad_shard.device != self.sharded_data.device:
+        as the DTensor ``.grad`` of the sharded parameter (in the parameter's
+        dtype, or the reduction dtype when ``keep_dtype``)."""
+        dtype = grad_shard.dtype if keep_dtype else self.orig_dtype
+        if grad_shard.dtype != dtype or grad_shard.device != self.sharded_data.device:
             # Offloaded shards take their gradients on the host.
-            grad_shard = grad_shard.to(self.sharded_data.device, self.orig_dtype, non_blocking=True)
+            grad_shard = grad_shard.to(self.sharded_data.device, dtype, non_blocking=True)
         existing = self.sharded_param.grad
         if existing is not None:
             local = existing._local_tensor if isinstance(existing, DTensor) else existing
             local.add_(grad_shard)
             return
         with torch.no_grad():
-            self.sharded_param.grad = DTensor.from_local(
+            grad = DTensor.from_local(
                 grad_shard,
                 self.info.mesh,
                 self.info.placements(self.shard_dim),
@@ -270,3 +272,10 @@ class ShardedParam:
                 shape=self.full_shape,
                 stride=_contiguous_stride(self.full_shape),
             )
+            if grad.dtype == self.sharded_param.dtype:
+                self.sharded_param.grad = grad
+            else:
+                # `.grad =` refuses another dtype; `.grad.data =` allows it
+                # (what FSDP1's keep_low_precision_grads does too).
+                self.sharded_param.grad = torch.zeros_like(self.sharded_param)
+                self.sharded_param.grad.data = grad

@@ -1,0 +1,216 @@
+"""Collectives counted per step, issue order (prefetch), and the memory bound."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from shardwise.testing import multi_rank
+
+N_LAYERS = 3
+
+
+def _model(reshard=None, mp=None, n_layers=N_LAYERS):
+    from shardwise import MixedPrecisionPolicy, fully_shard
+    from shardwise.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, dim=16, n_layers=n_layers, n_heads=2)
+    model = GPT(cfg)
+    kw = {"mp_policy": mp or MixedPrecisionPolicy()}
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=True if reshard is None else reshard, **kw)
+    fully_shard(model, **kw)
+    return model, cfg
+
+
+@contextlib.contextmanager
+def _record():
+    """Record every collective the engine issues: (kind, group name, dtype)."""
+    from shardwise._engine import collectives as coll
+
+    log = []
+    orig_ag, orig_rs = coll.start_all_gather, coll.start_reduce_scatter
+
+    def ag(comm, shards, flat, layouts, group, dtype, device, where, post_forward):
+        log.append(("AG", where, dtype))
+        return orig_ag(comm, shards, flat, layouts, group, dtype, device, where, post_forward)
+
+    def rs(comm, grads, layouts, group, dtype, device, predivide, where):
+        log.append(("RS", where, dtype))
+        return orig_rs(comm, grads, layouts, group, dtype, device, predivide, where)
+
+    coll.start_all_gather, coll.start_reduce_scatter = ag, rs
+    try:
+        yield log
+    finally:
+        coll.start_all_gather, coll.start_reduce_scatter = orig_ag, orig_rs
+
+
+def _step(model, cfg, seed=0):
+    from shardwise.models import GPT, synthetic_batch
+
+    x, y = synthetic_batch(cfg, 2, seed=seed, rank=torch.distributed.get_rank())
+    GPT.loss(model(x), y).backward()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@multi_rank(world_sizes=(2,))
+def test_collectives_per_step(reshard):
+    model, cfg = _model(reshard)
+    _step(model, cfg)  # first iteration records the order
+    with _record() as log:
+        _step(model, cfg)
+    ags = [e for e in log if e[0] == "AG"]
+    rss = [e for e in log if e[0] == "RS"]
+    # root: 1 gather (kept for backward); each block: 1 in forward, +1 in backward if resharded
+    assert len(ags) == 1 + N_LAYERS * (2 if reshard else 1), log
+    assert len(rss) == 1 + N_LAYERS, log
+    assert sorted(e[1] for e in rss) == sorted(["GPT (root)"] + [f"blocks.{i}" for i in range(N_LAYERS)])
+
+
+@multi_rank(world_sizes=(2,))
+def test_no_collectives_while_sync_off_then_one_reduce():
+    model, cfg = _model()
+    model.set_requires_gradient_sync(False)
+    with _record() as log:
+        _step(model, cfg, seed=0)
+        _step(model, cfg, seed=1)
+    assert not [e for e in log if e[0] == "RS"], log
+    model.set_requires_gradient_sync(True)
+    with _record() as log:
+        _step(model, cfg, seed=2)
+    assert len([e for e in log if e[0] == "RS"]) == 1 + N_LAYERS
+
+
+@multi_rank(world_sizes=(2,))
+def test_bf16_all_gather_and_fp32_reduce():
+    from shardwise import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model, cfg = _model(mp=mp)
+    with _record() as log:
+        _step(model, cfg)
+    assert {e[2] for e in log if e[0] == "AG"} == {torch.bfloat16}
+    assert {e[2] for e in log if e[0] == "RS"} == {torch.float32}
+    for p in model.parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+
+
+@multi_rank(world_sizes=(2,))
+def test_prefetch_issue_order():
+    model, cfg = _model()
+    _step(model, cfg)
+    events = []
+    # a user hook after ours: at block i's compute, block i+1 must already be in flight
+    for i, block in enumerate(model.blocks):
+        def hook(mod, args, i=i):
+            nxt = model.blocks[i + 1]._get_fsdp_state().group if i + 1 < N_LAYERS else None
+            events.append((i, nxt is None or nxt._in_flight is not None or nxt.is_unsharded))
+        block.register_forward_pre_hook(hook)
+    with _record() as log:
+        _step(model, cfg)
+    assert events and all(ok for _, ok in events), events
+    # backward: block i-1's all-gather is issued before block i's reduce-scatter
+    names = [(k, w) for k, w, _ in log]
+    fwd_end = max(j for j, (k, w) in enumerate(names) if (k, w) == ("AG", f"blocks.{N_LAYERS - 1}"))
+    bwd = names[fwd_end:]
+    for i in range(1, N_LAYERS):
+        ag_prev = [j for j, e in enumerate(bwd) if e == ("AG", f"blocks.{i - 1}")]
+        rs_cur = bwd.index(("RS", f"blocks.{i}"))
+        assert ag_prev and ag_prev[0] < rs_cur, bwd
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+@multi_rank(world_sizes=(2,))
+def test_at_most_current_and_prefetched_unsharded(explicit):
+    """Besides the root, never more than two groups hold unsharded parameters."""
+    from shardwise._engine.param_group import ParamGroup
+
+    model, cfg = _model(n_layers=4)
+    blocks = list(model.blocks)
+    if explicit:
+        for i, b in enumerate(blocks):
+            b.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+            b.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])
+    groups = [b._get_fsdp_state().group for b in blocks]
+    peak = {"n": 0, "samples": 0}
+    orig_unshard, orig_wait = ParamGroup.unshard, ParamGroup.wait_for_unshard
+
+    def sample():
+        live = sum(1 for g in groups if g.is_unsharded or g._in_flight is not None)
+        peak["n"] = max(peak["n"], live)
+        peak["samples"] += 1
+
+    def unshard(self, async_op=False):
+        orig_unshard(self, async_op)
+        sample()
+
+    def wait(self):
+        orig_wait(self)
+        sample()
+
+    ParamGroup.unshard, ParamGroup.wait_for_unshard = unshard, wait
+    try:
+        for seed in range(3):
+            _step(model, cfg, seed)
+    finally:
+        ParamGroup.unshard, ParamGroup.wait_for_unshard = orig_unshard, orig_wait
+    assert peak["samples"] > 10 and peak["n"] == 2, peak
+    assert all(not g.is_unsharded for g in groups)
+
+
+@multi_rank(world_sizes=(4,))
+def test_sharded_bytes_are_chunk_rows():
+    from torch.distributed.tensor import DTensor
+
+    from shardwise import fully_shard
+
+    torch.manual_seed(0)
+    # dim-0 sizes 1, 3, 5, 8: fewer rows than ranks, uneven, even
+    model = torch.nn.Sequential(
+        torch.nn.Linear(7, 1), torch.nn.Linear(1, 3), torch.nn.Linear(3, 5), torch.nn.Linear(5, 8)
+    )
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fully_shard(model)
+    rank = torch.distributed.get_rank()
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.placements[0].is_shard(0)
+        chunks = torch.chunk(ref[name], 4, dim=0)
+        expected = chunks[rank] if rank < len(chunks) else ref[name][:0]
+        assert p.to_local().shape == expected.shape, (name, p.to_local().shape, expected.shape)
+        assert torch.equal(p.to_local(), expected), name
+        assert p.to_local().untyped_storage().nbytes() >= p.to_local().nbytes
+        assert torch.equal(p.full_tensor(), ref[name])
+
+
+@multi_rank(world_sizes=(2,))
+def test_backward_prefetch_after_reduce_scatter():
+    """The BACKWARD_POST order: block i's reduce-scatter is issued before block i-1's all-gather."""
+    model, cfg = _model()
+    for state in [b._get_fsdp_state() for b in model.blocks] + [model._get_fsdp_state()]:
+        state.group.prefetch_after_reduce = True
+    _step(model, cfg)
+    with _record() as log:
+        _step(model, cfg)
+    names = [(k, w) for k, w, _ in log]
+    for i in range(1, N_LAYERS):
+        rs_cur = names.index(("RS", f"blocks.{i}"))
+        ag_prev = max(j for j, e in enumerate(names) if e == ("AG", f"blocks.{i - 1}"))
+        assert rs_cur < ag_prev, names
+
+
+@multi_rank(world_sizes=(2,))
+def test_keep_low_precision_grads():
+    from shardwise import MixedPrecisionPolicy
+
+    model, cfg = _model(mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    for b in model.blocks:
+        b._get_fsdp_state().group.keep_low_precision_grads = True
+    _step(model, cfg)
+    for b in model.blocks:
+        for p in b.parameters():
+            assert p.dtype == torch.float32 and p.grad.dtype == torch.bfloat16
+    assert model.tok_emb.weight.grad.dtype == torch.float32

@@ -1,0 +1,106 @@
+"""Bad input gets a clear ValueError / TypeError naming the argument and the fix,
+and leaves the module untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardwise.testing import multi_rank
+
+
+def _raises(exc, match, fn, *args, **kwargs):
+    with pytest.raises(exc, match=match):
+        fn(*args, **kwargs)
+
+
+@multi_rank(world_sizes=(2,))
+def test_fully_shard_twice():
+    from shardwise import fully_shard
+
+    m = nn.Linear(4, 4)
+    fully_shard(m)
+    _raises(ValueError, "already applied", fully_shard, m)
+
+
+@multi_rank(world_sizes=(2,))
+def test_mesh_of_three_dims():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwise import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("a", "b", "c"))
+    m = nn.Linear(4, 4)
+    _raises(ValueError, "1-D mesh .* or a 2-D mesh .* got a 3-D mesh", fully_shard, m, mesh=mesh)
+    assert type(m) is nn.Linear and type(m.weight) is nn.Parameter  # untouched
+
+
+@multi_rank(world_sizes=(2,))
+def test_scalar_parameter():
+    from shardwise import fully_shard
+
+    m = nn.Linear(4, 4)
+    m.temperature = nn.Parameter(torch.tensor(1.0))
+    _raises(ValueError, "Change temperature to a 1D tensor with numel equal to 1", fully_shard, m)
+    assert type(m) is nn.Linear and type(m.weight) is nn.Parameter  # nothing half-done
+
+
+@multi_rank(world_sizes=(2,))
+def test_parameter_shared_by_two_groups():
+    from shardwise import fully_shard
+
+    emb, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    fully_shard(emb)
+    _raises(ValueError, r"shared with another fully_shard group .*fully_shard\(\[module_a, module_b\]\)", fully_shard, model)
+    # the documented fix works: both users of the weight in one group
+    emb2, head2 = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    head2.weight = emb2.weight
+    fully_shard([emb2, head2])
+    assert head2.weight is emb2.weight
+
+
+def test_non_floating_param_dtype():
+    from shardwise import MixedPrecisionPolicy
+
+    _raises(ValueError, "param_dtype=torch.int32 is not a floating-point dtype", MixedPrecisionPolicy, param_dtype=torch.int32)
+    _raises(TypeError, "reduce_dtype must be a torch.dtype", MixedPrecisionPolicy, reduce_dtype="bf16")
+
+
+@multi_rank(world_sizes=(2,))
+def test_parameters_on_different_devices():
+    from shardwise import fully_shard
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+    _raises(ValueError, "all of a module's parameters on one device", fully_shard, m)
+
+
+@multi_rank(world_sizes=(2,))
+def test_mesh_and_world_mismatch():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardwise import fully_shard
+
+    mesh = DeviceMesh("cpu", torch.tensor([0]))  # only rank 0
+    m = nn.Linear(4, 4)
+    if dist.get_rank() == 1:
+        _raises(ValueError, "not part of mesh", fully_shard, m, mesh=mesh)
+    # a group size that does not divide the shard group
+    _raises(ValueError, "positive factor of the shard group size 2", fully_shard, nn.Linear(4, 4), reshard_after_forward=3)
+    _raises(ValueError, "reshard_after_forward should be a bool", fully_shard, nn.Linear(4, 4), reshard_after_forward="yes")
+    _raises(TypeError, "mesh must be a torch.distributed.device_mesh.DeviceMesh", fully_shard, nn.Linear(4, 4), mesh="cpu")
+
+
+@multi_rank(world_sizes=(2,))
+def test_wrong_argument_types():
+    from shardwise import fully_shard
+
+    _raises(TypeError, "expects an nn.Module", fully_shard, "not a module")
+    _raises(TypeError, "mp_policy must be a MixedPrecisionPolicy", fully_shard, nn.Linear(2, 2), mp_policy={"param_dtype": torch.bfloat16})
+    _raises(ValueError, "containers without forward", fully_shard, nn.ModuleList([nn.Linear(2, 2)]))
+    m = fully_shard(nn.Linear(2, 2))
+    _raises(ValueError, "Expects FSDPModule", m.set_modules_to_forward_prefetch, [nn.Linear(2, 2)])
+    _raises(ValueError, "positive number", m.set_gradient_divide_factor, 0)
