@@ -1,6 +1,7 @@
 """shardwise: fully sharded data parallel training for PyTorch, on one engine."""
 
 from shardwise.comm import AllGather, Comm, ReduceScatter
+from shardwise.compression import QuantizedAllGather
 from shardwise.fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -17,6 +18,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "QuantizedAllGather",
     "ReduceScatter",
     "UnshardHandle",
     "fully_shard",

@@ -349,6 +349,7 @@ def fully_shard(
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     storage_device = torch.device("cpu") if offload else info.device
     params = _make_sharded_params(collected, info, shard_placement_fn, storage_device)
+    _move_buffers(modules, info.device)
 
     group = None
     desc = f"{type(modules[0]).__name__}"
@@ -459,6 +460,15 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[C
             f"({where}, ...). Move the module first, e.g. module.to(device), or build it on the meta device."
         )
     return collected
+
+
+def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
+    """Buffers are never sharded; like parameters they go to the compute device."""
+    for m in modules:
+        for sub in m.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and buf.device.type != "meta" and buf.device != device:
+                    sub._buffers[name] = buf.to(device)
 
 
 def _make_sharded_params(

@@ -256,8 +256,9 @@ class ShardedParam:
         dtype, or the reduction dtype when ``keep_dtype``)."""
         dtype = grad_shard.dtype if keep_dtype else self.orig_dtype
         if grad_shard.dtype != dtype or grad_shard.device != self.sharded_data.device:
-            # Offloaded shards take their gradients on the host.
-            grad_shard = grad_shard.to(self.sharded_data.device, dtype, non_blocking=True)
+            # Offloaded shards take their gradients on the host. Blocking: an
+            # async device-to-host copy could be read by the optimizer too early.
+            grad_shard = grad_shard.to(self.sharded_data.device, dtype)
         existing = self.sharded_param.grad
         if existing is not None:
             local = existing._local_tensor if isinstance(existing, DTensor) else existing

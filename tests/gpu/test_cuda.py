@@ -1,0 +1,122 @@
+"""CUDA-only checks (NCCL at world size 1): the engine on a GPU, CPU offload
+with compute on CUDA, and that collectives are asynchronous (prefetch in
+flight while the previous module computes). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nccl_world():
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.set_device(0)
+    path = os.path.join(tempfile.mkdtemp(), "store")
+    dist.init_process_group("nccl", store=dist.FileStore(path, 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _gpt(device="cuda"):
+    from shardwise.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, seq_len=32, dim=64, n_layers=3, n_heads=4)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return GPT(cfg), cfg
+
+
+def _shard(model, **kw):
+    from shardwise import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+
+
+def _train(model, cfg, steps=3):
+    from shardwise.models import GPT, synthetic_batch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x, y = synthetic_batch(cfg, 4, seed=step)
+        loss = GPT.loss(model(x.cuda()), y.cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fully_shard_on_cuda_matches_local():
+    ref, cfg = _gpt()
+    model = copy.deepcopy(ref)
+    _shard(model)
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    torch.testing.assert_close(_train(model, cfg), _train(ref, cfg))
+
+
+def test_bf16_on_cuda():
+    from shardwise import MixedPrecisionPolicy
+
+    model, cfg = _gpt()
+    _shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    losses = _train(model, cfg, steps=5)
+    assert losses[-1] < losses[0]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_cpu_offload_compute_on_cuda():
+    from shardwise import CPUOffloadPolicy
+
+    ref, cfg = _gpt()
+    model = copy.deepcopy(ref).cpu()
+    _shard(model, offload_policy=CPUOffloadPolicy(pin_memory=True))
+    for p in model.parameters():
+        assert p.to_local().device.type == "cpu"
+    from shardwise._engine.module_state import states_under
+
+    assert all(s.group.flat_sharded.is_pinned() for s in states_under(model))
+    torch.testing.assert_close(_train(model, cfg), _train(ref, cfg), rtol=1e-4, atol=1e-4)
+    for p in model.parameters():
+        assert p.to_local().device.type == "cpu"
+
+
+def test_prefetch_is_in_flight_while_previous_block_computes():
+    model, cfg = _gpt()
+    _shard(model)
+    _train(model, cfg, steps=1)  # records the forward order
+    seen = []
+    for i, block in enumerate(model.blocks[:-1]):
+        nxt = model.blocks[i + 1]._get_fsdp_state().group
+
+        def hook(mod, args, nxt=nxt):
+            seen.append(nxt._in_flight is not None or nxt.is_unsharded)
+
+        block.register_forward_pre_hook(hook)
+    _train(model, cfg, steps=1)
+    assert seen and all(seen)
+
+
+def test_quantized_all_gather_on_cuda():
+    from shardwise import FSDPModule, QuantizedAllGather
+
+    ref, cfg = _gpt()
+    model = copy.deepcopy(ref)
+    _shard(model)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(QuantizedAllGather())
+    a, b = _train(model, cfg, steps=3), _train(ref, cfg, steps=3)
+    assert abs(a[0] - b[0]) / b[0] < 0.01
