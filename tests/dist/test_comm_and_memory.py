@@ -214,3 +214,21 @@ def test_keep_low_precision_grads():
         for p in b.parameters():
             assert p.dtype == torch.float32 and p.grad.dtype == torch.bfloat16
     assert model.tok_emb.weight.grad.dtype == torch.float32
+
+
+@multi_rank(world_sizes=(2,))
+def test_original_full_parameters_are_released():
+    import gc
+    import weakref
+
+    from shardwise import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    refs = [weakref.ref(p) for p in model.parameters()]
+    fully_shard(model[0])
+    fully_shard(model)
+    model(torch.randn(2, 64)).sum().backward()
+    gc.collect()
+    assert all(r() is None for r in refs), "fully_shard kept an unsharded copy alive"
+    held = sum(p.to_local().numel() for p in model.parameters())
+    assert held == sum(p.numel() for p in model.parameters()) // 2

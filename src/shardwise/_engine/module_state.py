@@ -100,7 +100,10 @@ class ModuleState:
         if self.is_root is not None:
             return
         self.is_root = True
-        ctx = IterationContext(root=self)
+        # Keep the root's own context: settings made before the first forward
+        # (set_is_last_backward, set_post_optim_event) must survive.
+        ctx = self.ctx
+        ctx.root = self
         states: list[ModuleState] = []
         seen: set[int] = set()
         for module in self.modules:

@@ -146,14 +146,14 @@ class ShardedParam:
         self.fqn = fqn
         self.info = info
         self.shard_dim = shard_dim
-        self.requires_grad = param.requires_grad
         self.orig_dtype = param.dtype
         self.full_shape = param.shape
         self.layout = ShardLayout.make(param.shape, shard_dim, info.shard_size, info.shard_rank)
         # Filled by ParamGroup.init_flat_storage / reset.
         self.sharded_data: torch.Tensor = torch.empty(0)
         self.sharded_param: nn.Parameter = param
-        self._source = param
+        # Only for building the first DTensor; never keep the full tensor alive.
+        self._initial_requires_grad = param.requires_grad
         # Lazily created at first unshard, in the all-gather dtype.
         self.unsharded_param: nn.Parameter | None = None
         # Gradients accumulated while sync is off, kept in the reduce dtype.
@@ -187,7 +187,7 @@ class ShardedParam:
                     shape=self.full_shape,
                     stride=_contiguous_stride(self.full_shape),
                 )
-            self.sharded_param = nn.Parameter(dt, requires_grad=self.requires_grad)
+            self.sharded_param = nn.Parameter(dt, requires_grad=self._initial_requires_grad)
         self.register_sharded()
 
     def local_is_adopted(self) -> bool:
@@ -215,8 +215,12 @@ class ShardedParam:
                     f"{self.fqn}: expected a DTensor parameter, got {type(current).__name__}"
                 )
             self.sharded_param = current  # type: ignore[assignment]
-            self.requires_grad = current.requires_grad
         return self.sharded_param._local_tensor
+
+    @property
+    def requires_grad(self) -> bool:
+        """Follows the sharded parameter, so freezing it after fully_shard works."""
+        return self.sharded_param.requires_grad
 
     def register_sharded(self) -> None:
         for module, name in self.owners:
