@@ -230,5 +230,6 @@ def test_original_full_parameters_are_released():
     model(torch.randn(2, 64)).sum().backward()
     gc.collect()
     assert all(r() is None for r in refs), "fully_shard kept an unsharded copy alive"
+    assert all(p.is_leaf and p._local_tensor.grad_fn is None for p in model.parameters())
     held = sum(p.to_local().numel() for p in model.parameters())
     assert held == sum(p.numel() for p in model.parameters()) // 2

@@ -306,6 +306,7 @@ class ParamGroup:
                 local = p.sharded_data.narrow(p.shard_dim, 0, p.layout.local_rows)
                 local.copy_(p.layout.local_chunk(p.unsharded_param.detach()))  # type: ignore[union-attr]
 
+    @torch.no_grad()
     def _reshard_post_forward(self) -> None:
         """Keep only this rank's chunk over the post-forward subgroup."""
         if self.subgroup is None or not self.is_unsharded:

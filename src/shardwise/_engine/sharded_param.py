@@ -162,6 +162,7 @@ class ShardedParam:
         self.post_forward_layout: ShardLayout | None = None
 
     # ---- sharded side -------------------------------------------------------
+    @torch.no_grad()  # the copy must not tie the shard buffer to the source's graph
     def adopt_storage(self, padded: torch.Tensor, source: torch.Tensor) -> None:
         """Copy ``source`` (a full tensor or this rank's local chunk) into
         ``padded`` and (re)build the DTensor parameter over it."""
