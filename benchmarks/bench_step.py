@@ -6,7 +6,12 @@ CPU with the gloo backend, ``--nproc`` ranks (default 2), one thread per rank:
 * ``shardwise``  - ``shardwise.fully_shard`` on every block, then on the root;
 * ``torch_fsdp`` - ``torch.distributed.fsdp.fully_shard``, wrapped the same way;
 * ``ddp``        - ``DistributedDataParallel`` (full replica per rank, gradient all-reduce);
-* ``local``      - each rank trains its own full copy, no communication at all.
+* ``local``      - each rank trains its own full copy, no communication at all;
+* ``shardwise_int8`` - shardwise with ``QuantizedAllGather`` (int8 + per-block scales)
+  as every module's all-gather (``set_custom_all_gather``).
+
+The ``AG MiB/step`` column is the bytes each rank receives from parameter
+all-gathers per step (counted at ``all_gather_single``), for the FSDP configs.
 
 Each config runs in its own freshly spawned set of rank processes, one config after another,
 so a process's peak RSS belongs to that config alone.  Per rank we measure the median step
@@ -62,7 +67,7 @@ except Exception:  # noqa: BLE001 - the package itself is broken: load the model
     _spec.loader.exec_module(_models)
     GPT, GPTConfig, synthetic_batch = _models.GPT, _models.GPTConfig, _models.synthetic_batch
 
-CONFIGS = ("shardwise", "torch_fsdp", "ddp", "local")
+CONFIGS = ("shardwise", "torch_fsdp", "ddp", "local", "shardwise_int8")
 BASELINE = "torch_fsdp"
 MIB = 2**20
 
@@ -112,7 +117,7 @@ def wrap(config: str, model: GPT, args: argparse.Namespace, world_size: int) -> 
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
-    if config == "shardwise":
+    if config.startswith("shardwise"):
         fully_shard, mp_cls = shardwise_api()
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy as mp_cls
@@ -124,7 +129,36 @@ def wrap(config: str, model: GPT, args: argparse.Namespace, world_size: int) -> 
         kwargs["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, **kwargs)
-    return fully_shard(model, **kwargs)
+    model = fully_shard(model, **kwargs)
+    if config == "shardwise_int8":
+        from shardwise import FSDPModule, QuantizedAllGather
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_all_gather(QuantizedAllGather())
+    return model
+
+
+_AG_BYTES = [0]
+
+
+def count_all_gather_bytes() -> None:
+    """Count bytes received by every ``all_gather_single`` (both FSDPs call it)."""
+    orig = dist.all_gather_single
+
+    def counting(output_tensor: torch.Tensor, input_tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+        _AG_BYTES[0] += output_tensor.numel() * output_tensor.element_size()
+        return orig(output_tensor, input_tensor, *a, **k)
+
+    dist.all_gather_single = counting
+    try:  # shardwise binds its collective at import
+        import shardwise.comm
+        import shardwise.compression
+
+        shardwise.comm._all_gather = counting
+        shardwise.compression._all_gather = counting
+    except ImportError:
+        pass
 
 
 def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir: str) -> None:
@@ -147,6 +181,8 @@ def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir:
         torch.manual_seed(0)
         model = GPT(cfg)
         n_params = model.num_params()
+        if hasattr(dist, "all_gather_single"):
+            count_all_gather_bytes()
         model = wrap(config, model, args, args.nproc)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         batches = [
@@ -162,12 +198,15 @@ def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir:
             opt.step()
             elapsed = time.perf_counter() - t0
             losses.append(loss.item())
+            if i == args.warmup - 1:
+                _AG_BYTES[0] = 0
             if i >= args.warmup:
                 times.append(elapsed)
         result = {
             "step_ms": 1e3 * statistics.median(times),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "state_mib": model_state_bytes(model, opt) / MIB,
+            "ag_mib_per_step": _AG_BYTES[0] / MIB / args.steps,
             "num_params": n_params,
             "first_loss": losses[0],
             "last_loss": losses[-1],
@@ -185,7 +224,7 @@ def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir:
 
 def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
     """Spawn fresh ranks for one config; return per-rank results or an ``error`` message."""
-    if config == "shardwise":
+    if config.startswith("shardwise"):
         try:
             shardwise_api()
         except Exception as exc:  # noqa: BLE001 - any import failure means "not there yet"
@@ -209,29 +248,29 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not good:
         return {"error": runs[0]["error"] if runs else "not run"}
     out: dict[str, Any] = {}
-    for key in ("step_ms", "peak_rss_mib", "state_mib"):
-        out[key] = statistics.median(max(rk[key] for rk in r["ranks"]) for r in good)
+    for key in ("step_ms", "peak_rss_mib", "state_mib", "ag_mib_per_step"):
+        out[key] = statistics.median(max(rk.get(key, 0.0) for rk in r["ranks"]) for r in good)
     out["repeats_ok"] = len(good)
     return out
 
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
     """Plain-text table with ratios to the ``torch_fsdp`` baseline."""
-    head = ("config", "step ms", "peak RSS MiB", "state MiB",
-            "step/torch", "RSS/torch", "state/torch")
-    lines = ["{:<11} {:>9} {:>13} {:>10} {:>11} {:>10} {:>12}".format(*head)]
+    head = ("config", "step ms", "peak RSS MiB", "state MiB", "AG MiB/step",
+            "step/torch", "RSS/torch", "state/torch", "AG/torch")
+    lines = ["{:<15} {:>9} {:>13} {:>10} {:>12} {:>11} {:>10} {:>12} {:>9}".format(*head)]
     base = summary.get(BASELINE, {})
     for config, s in summary.items():
         if "error" in s:
-            lines.append(f"{config:<11} {s['error'][:110]}")
+            lines.append(f"{config:<15} {s['error'][:110]}")
             continue
         ratios = []
-        for key in ("step_ms", "peak_rss_mib", "state_mib"):
-            ok = key in base and base[key] > 0
+        for key in ("step_ms", "peak_rss_mib", "state_mib", "ag_mib_per_step"):
+            ok = key in base and base[key] > 0 and s[key] > 0
             ratios.append(f"{s[key] / base[key]:.2f}" if ok else "-")
         lines.append(
-            f"{config:<11} {s['step_ms']:>9.1f} {s['peak_rss_mib']:>13.1f} {s['state_mib']:>10.2f}"
-            f" {ratios[0]:>11} {ratios[1]:>10} {ratios[2]:>12}"
+            f"{config:<15} {s['step_ms']:>9.1f} {s['peak_rss_mib']:>13.1f} {s['state_mib']:>10.2f}"
+            f" {s['ag_mib_per_step']:>12.2f} {ratios[0]:>11} {ratios[1]:>10} {ratios[2]:>12} {ratios[3]:>9}"
         )
     return "\n".join(lines)
 
