@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,14 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["Comm", "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter"]
+__all__ = ["Comm", "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter", "WorkHandle"]
+
+
+class WorkHandle(Protocol):
+    """What an async collective returns: ``torch.distributed.Work`` or anything
+    with a ``wait()`` that completes it."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class Comm(ABC):
@@ -45,7 +53,7 @@ class AllGather(Comm):
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
-    ) -> dist.Work | None:
+    ) -> WorkHandle | None:
         """Issue the all-gather; return a work handle when ``async_op``."""
 
 
@@ -61,7 +69,7 @@ class ReduceScatter(Comm):
         group: dist.ProcessGroup,
         op: dist.ReduceOp.RedOpType,
         async_op: bool = False,
-    ) -> dist.Work | None:
+    ) -> WorkHandle | None:
         """Issue the reduce-scatter; return a work handle when ``async_op``."""
 
 
@@ -79,8 +87,8 @@ class DefaultAllGather(AllGather):
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
-    ) -> dist.Work | None:
-        return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+    ) -> WorkHandle | None:
+        return cast("WorkHandle | None", _all_gather(output_tensor, input_tensor, group=group, async_op=async_op))
 
 
 class DefaultReduceScatter(ReduceScatter):
@@ -98,5 +106,6 @@ class DefaultReduceScatter(ReduceScatter):
         group: dist.ProcessGroup,
         op: dist.ReduceOp.RedOpType,
         async_op: bool = False,
-    ) -> dist.Work | None:
-        return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+    ) -> WorkHandle | None:
+        work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return cast("WorkHandle | None", work)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import AllGather
+from shardwise.comm import AllGather, WorkHandle
 
 __all__ = ["QuantizedAllGather"]
 
@@ -26,11 +26,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class _Deferred:
     """A work handle whose ``wait()`` also runs the dequantisation."""
 
-    def __init__(self, work: dist.Work | None, finish: Callable[[], None]) -> None:
+    def __init__(self, work: WorkHandle | None, finish: Callable[[], None]) -> None:
         self._work = work
         self._finish: Callable[[], None] | None = finish
 
-    def wait(self, timeout: object = None) -> bool:
+    def wait(self, *args: object, **kwargs: object) -> bool:
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -68,7 +68,7 @@ class QuantizedAllGather(AllGather):
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
-    ) -> _Deferred | None:  # type: ignore[override]
+    ) -> _Deferred | None:
         num_ranks = dist.get_world_size(group)
         numel = input_tensor.numel()
         if output_tensor.numel() != numel * num_ranks:
@@ -80,7 +80,7 @@ class QuantizedAllGather(AllGather):
         gathered = torch.empty(num_ranks * packed.numel(), dtype=torch.uint8, device=packed.device)
         self.bytes_sent += packed.numel() * num_ranks
         self.bytes_uncompressed += numel * input_tensor.element_size() * num_ranks
-        work = _all_gather(gathered, packed, group=group, async_op=True)
+        work: WorkHandle | None = _all_gather(gathered, packed, group=group, async_op=True)
 
         def finish() -> None:
             rows = gathered.view(num_ranks, -1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, overload
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -18,7 +18,12 @@ from shardwise._engine.param_group import ParamGroup
 from shardwise._engine.sharded_param import ShardedParam
 from shardwise.comm import AllGather, ReduceScatter
 from shardwise.errors import ConfigError, ConfigTypeError
-from shardwise.mesh import MeshInfo, default_mesh, mesh_info, resolve_reshard_after_forward
+from shardwise.mesh import (
+    MeshInfo,
+    default_mesh,
+    mesh_info,
+    resolve_reshard_after_forward,
+)
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "summon_full_params"]
@@ -286,12 +291,6 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
 
 
 # ---- fully_shard ----------------------------------------------------------------
-@overload
-def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
-@overload
-def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
-
-
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -432,7 +431,7 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[C
                     f"parameter {fqn!r} is already a DTensor (already sharded): apply fully_shard "
                     "bottom-up (inner modules first, then their parents), once per module."
                 )
-            owner = _OWNED.get(p)
+            owner = _OWNED.get(p)  # type: ignore[no-untyped-call]
             if owner is not None:
                 raise ConfigError(
                     f"parameter {fqn!r} is shared with another fully_shard group ({owner}); a "

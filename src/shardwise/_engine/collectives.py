@@ -11,7 +11,14 @@ from typing import NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import AllGather, Comm, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from shardwise.comm import (
+    AllGather,
+    Comm,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    ReduceScatter,
+    WorkHandle,
+)
 from shardwise.errors import CollectiveError
 
 from .sharded_param import ShardLayout
@@ -23,7 +30,7 @@ class AllGatherResult(NamedTuple):
     """An all-gather in flight."""
 
     output: torch.Tensor  # [num_shards * total], rank-major
-    work: dist.Work | None
+    work: WorkHandle | None
     input: torch.Tensor  # kept alive until the collective completes
     post_forward: bool  # gathered over the post-forward subgroup
 
@@ -32,7 +39,7 @@ class ReduceScatterResult(NamedTuple):
     """A gradient reduce-scatter in flight."""
 
     output: torch.Tensor  # this rank's reduced padded shards, concatenated
-    work: dist.Work | None
+    work: WorkHandle | None
     input: torch.Tensor
 
 

@@ -91,8 +91,8 @@ class ModuleState:
             # even right after a forward that kept them unsharded (e.g. the root).
             owners = {id(m): m for p in group.params for m, _ in p.owners}
             for owner in owners.values():
-                owner.register_state_dict_pre_hook(lambda *_a, **_k: group.reshard())
-                owner.register_load_state_dict_pre_hook(lambda *_a, **_k: group.reshard())
+                owner.register_state_dict_pre_hook(lambda *_a, **_k: group.reshard())  # type: ignore[no-untyped-call]
+                owner.register_load_state_dict_pre_hook(lambda *_a, **_k: group.reshard())  # type: ignore[no-untyped-call]
 
     # ---- lazy init ------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -192,10 +192,11 @@ class ModuleState:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
-        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])  # type: ignore[no-untyped-call]
         for i, t in zip(idx, outs):
             flat[i] = t
-        return tree_unflatten(flat, spec)
+        new_args, new_kwargs = tree_unflatten(flat, spec)
+        return new_args, new_kwargs
 
     # ---- backward -------------------------------------------------------------
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:

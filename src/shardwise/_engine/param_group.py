@@ -33,7 +33,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import record_function
 
-from shardwise.comm import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from shardwise.comm import (
+    AllGather,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    ReduceScatter,
+    WorkHandle,
+)
 from shardwise.mesh import MeshInfo, SubgroupInfo
 from shardwise.policies import MixedPrecisionPolicy
 
@@ -61,7 +67,7 @@ class PendingReduction:
     params: list[ShardedParam]
     result: coll.ReduceScatterResult
     # The replicate all-reduce (HSDP) once issued.
-    all_reduce_work: dist.Work | None = None
+    all_reduce_work: WorkHandle | None = None
 
 
 @dataclass

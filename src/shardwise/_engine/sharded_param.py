@@ -5,7 +5,7 @@ exists only while its module computes)."""
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -62,9 +62,7 @@ class ShardLayout(NamedTuple):
             return
         whole = self.dim_size // self.chunk  # ranks whose chunk is full
         if whole:
-            dst = full.narrow(self.dim, 0, whole * self.chunk).unflatten(
-                self.dim, (whole, self.chunk)
-            )
+            dst = self._split_rows(full.narrow(self.dim, 0, whole * self.chunk), whole)
             dst.movedim(self.dim, 0).copy_(gathered[:whole])
         rem = self.dim_size - whole * self.chunk
         if rem:
@@ -79,9 +77,7 @@ class ShardLayout(NamedTuple):
             return
         whole = self.dim_size // self.chunk
         if whole:
-            src = full.narrow(self.dim, 0, whole * self.chunk).unflatten(
-                self.dim, (whole, self.chunk)
-            )
+            src = self._split_rows(full.narrow(self.dim, 0, whole * self.chunk), whole)
             out[:whole].copy_(src.movedim(self.dim, 0))
         rem = self.dim_size - whole * self.chunk
         if whole < self.num_shards:
@@ -90,6 +86,11 @@ class ShardLayout(NamedTuple):
                 tail.narrow(self.dim, 0, rem).copy_(full.narrow(self.dim, whole * self.chunk, rem))
             tail.narrow(self.dim, rem, self.chunk - rem).zero_()
             out[whole + 1 :].zero_()
+
+    def _split_rows(self, t: torch.Tensor, whole: int) -> torch.Tensor:
+        """View ``t``'s ``dim`` (``whole * chunk`` long) as ``(whole, chunk)``."""
+        shape = list(t.shape)
+        return t.view(*shape[: self.dim], whole, self.chunk, *shape[self.dim + 1 :])
 
     def local_chunk(self, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """``rank``'s unpadded chunk of ``full`` (a view)."""
@@ -106,6 +107,12 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (typed access to ``_local_tensor``)."""
+    local: torch.Tensor = cast(DTensor, t)._local_tensor
+    return local
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -198,7 +205,7 @@ class ShardedParam:
         current = module._parameters.get(name)
         if current is not self.sharded_param and current is not self.unsharded_param:
             return False
-        local = self.sharded_param._local_tensor
+        local = local_of(self.sharded_param)
         return (
             local.device == self.sharded_data.device
             and local.dtype == self.sharded_data.dtype
@@ -215,8 +222,8 @@ class ShardedParam:
                 raise AssertionError(
                     f"{self.fqn}: expected a DTensor parameter, got {type(current).__name__}"
                 )
-            self.sharded_param = current  # type: ignore[assignment]
-        return self.sharded_param._local_tensor
+            self.sharded_param = current
+        return local_of(self.sharded_param)
 
     @property
     def requires_grad(self) -> bool:
@@ -235,7 +242,7 @@ class ShardedParam:
 
     @property
     def local_shard(self) -> torch.Tensor:
-        return self.sharded_param._local_tensor
+        return local_of(self.sharded_param)
 
     # ---- unsharded side -----------------------------------------------------
     def ensure_unsharded(self, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
