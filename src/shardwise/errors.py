@@ -4,7 +4,7 @@ value and the fix."""
 
 from __future__ import annotations
 
-__all__ = ["ShardwiseError", "ConfigError", "ConfigTypeError", "CollectiveError"]
+__all__ = ["ShardwiseError", "ConfigError", "ConfigTypeError", "CollectiveError", "CheckpointError"]
 
 
 class ShardwiseError(Exception):
@@ -22,3 +22,9 @@ class ConfigTypeError(ShardwiseError, TypeError):
 class CollectiveError(ShardwiseError, RuntimeError):
     """A collective (usually a user-installed custom one) misbehaved: it raised,
     or returned a buffer of the wrong shape, dtype or device."""
+
+
+class CheckpointError(ShardwiseError, ValueError):
+    """A checkpoint or exported file is not what it must be (missing, incomplete,
+    corrupted, or of another model), or cannot be written where asked. Raised
+    before the model or optimizer in memory is touched."""
