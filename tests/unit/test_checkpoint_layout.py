@@ -131,3 +131,24 @@ def test_save_and_load_a_plain_model_without_a_process_group(tmp_path):
     fresh = _Tiny()
     checkpoint.load_from_file(tmp_path / "m.safetensors", fresh)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+def test_never_deletes_a_directory_it_did_not_write(tmp_path):
+    import pytest
+
+    from shardwise.checkpoint import commit as layout
+    from shardwise.errors import CheckpointError
+
+    mine = tmp_path / "my_data"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(CheckpointError, match="refusing to replace it"):
+        layout.remove_uncommitted(mine)
+    assert (mine / "notes.txt").read_text() == "precious"
+    # a half-committed leftover (data files, no marker) is cleaned up
+    left = tmp_path / "step-00000001"
+    left.mkdir()
+    (left / "__0_0.distcp").write_bytes(b"x")
+    (left / ".metadata").write_bytes(b"x")
+    layout.remove_uncommitted(left)
+    assert not left.exists()

@@ -286,7 +286,24 @@ def remove_uncommitted(final: Path) -> None:
             if child.name.startswith((f".{final.name}.tmp-", f".{final.name}.old-")) and child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
     if final.is_dir() and not (final / MARKER_NAME).is_file():
+        strangers = [c.name for c in final.iterdir() if not _is_checkpoint_file(c.name)]
+        if strangers:
+            # Never delete what we did not write: this is somebody's directory.
+            raise CheckpointError(
+                f"save: {str(final)!r} exists and holds files that are not part of a shardwise "
+                f"checkpoint ({', '.join(sorted(strangers)[:5])}); refusing to replace it. Save to a "
+                "new or empty directory, or pass step= to save under it as step-NNNNNNNN/."
+            )
         shutil.rmtree(final, ignore_errors=True)
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    """Files a (possibly half-committed) checkpoint directory may hold."""
+    return (
+        name in (MARKER_NAME, EXTRA_NAME, ".metadata")
+        or name.endswith(".distcp")
+        or name.startswith((".metadata.", f".{MARKER_NAME}.", f"{MARKER_NAME}."))
+    )
 
 
 def commit(tmp: Path, final: Path, marker: Marker, token: str) -> None:
