@@ -1,6 +1,24 @@
 """shardwise: fully sharded data parallel training for PyTorch, on one engine."""
 
 from shardwise.comm import AllGather, Comm, ReduceScatter
+from shardwise.compat import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    FullyShardedDataParallel,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from shardwise.compression import QuantizedAllGather
 from shardwise.fully_shard import (
     FSDPModule,
@@ -10,17 +28,35 @@ from shardwise.fully_shard import (
     summon_full_params,
 )
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardwise.wrap import apply_policy
 
 __all__ = [
     "AllGather",
+    "BackwardPrefetch",
+    "CPUOffload",
     "CPUOffloadPolicy",
     "Comm",
     "FSDPModule",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
     "QuantizedAllGather",
     "ReduceScatter",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
     "UnshardHandle",
+    "apply_policy",
     "fully_shard",
     "register_fsdp_forward_method",
     "summon_full_params",

@@ -23,11 +23,13 @@ LAYERS = {
     "shardwise.mesh": 1,
     "shardwise._engine": 2,
     "shardwise.fully_shard": 3,
+    "shardwise.wrap": 4,  # wrap policies + apply_policy, above fully_shard
+    "shardwise.compat": 5,  # the wrapper API, above fully_shard and wrap
     "shardwise.models": 0,
     "shardwise.testing": 9,
     "shardwise.cli": 9,
     "shardwise.__main__": 9,
-    "shardwise": 4,  # the package __init__
+    "shardwise": 6,  # the package __init__
 }
 
 
@@ -68,14 +70,31 @@ def test_public_names_are_exact():
     assert sorted(shardwise.__all__) == sorted(
         [
             "AllGather",
+            "BackwardPrefetch",
+            "CPUOffload",
             "CPUOffloadPolicy",
             "Comm",
             "FSDPModule",
+            "FullOptimStateDictConfig",
+            "FullStateDictConfig",
+            "FullyShardedDataParallel",
+            "LocalOptimStateDictConfig",
+            "LocalStateDictConfig",
+            "MixedPrecision",
             "MixedPrecisionPolicy",
             "OffloadPolicy",
+            "OptimStateDictConfig",
+            "OptimStateKeyType",
             "QuantizedAllGather",
             "ReduceScatter",
+            "ShardedOptimStateDictConfig",
+            "ShardedStateDictConfig",
+            "ShardingStrategy",
+            "StateDictConfig",
+            "StateDictSettings",
+            "StateDictType",
             "UnshardHandle",
+            "apply_policy",
             "fully_shard",
             "register_fsdp_forward_method",
             "summon_full_params",
@@ -99,6 +118,16 @@ def test_imports_flow_one_way(name, path):
             continue
         assert not imported.startswith("shardwise.testing"), f"{name} imports the test harness"
         assert _layer(imported) <= own, f"{name} (layer {own}) imports {imported} (layer {_layer(imported)})"
+
+
+def test_engine_never_imports_the_fronts():
+    """The wrapper API sits on the engine; the engine knows nothing of it."""
+    for name, path in _modules():
+        if not name.startswith(("shardwise._engine", "shardwise.fully_shard", "shardwise.mesh")):
+            continue
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for imported in _imports(path, package):
+            assert not imported.startswith(("shardwise.compat", "shardwise.wrap")), f"{name} imports {imported}"
 
 
 def test_no_bare_assert_in_library():

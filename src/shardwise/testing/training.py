@@ -54,7 +54,9 @@ def parity_train(
 
     Args:
         make_model: builds the model (called once, under ``torch.manual_seed(seed)``).
-        shard: applies sharding to the model in place (e.g. ``fully_shard`` calls).
+        shard: applies sharding to the model in place (e.g. ``fully_shard`` calls);
+            if it returns a module (e.g. a ``FullyShardedDataParallel`` wrapper),
+            that module is trained.
         make_batch: ``(step, rank) -> (inputs, targets)``.
         loss_fn: ``(output, targets) -> scalar loss``.
         steps: training steps. (Default: ``3``)
@@ -76,7 +78,9 @@ def parity_train(
     torch.manual_seed(seed)
     ref = make_model()
     model = copy.deepcopy(ref)
-    shard(model)
+    sharded = shard(model)
+    if isinstance(sharded, nn.Module):
+        model = sharded  # a wrapper (FullyShardedDataParallel) replaces the model
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     # Mixed precision: compute in a low-precision copy, keep fp32 master weights.

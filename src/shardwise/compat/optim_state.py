@@ -1,0 +1,451 @@
+"""Optimizer state dicts for the wrapper API.
+
+An optimizer built on a wrapped model holds the sharded ``DTensor``
+parameters, so its own ``state_dict()`` is already sharded: keyed by
+parameter index, with ``DTensor`` state (``exp_avg``, ...) and plain scalars
+(``step``). These functions convert between that and PyTorch FSDP's saved
+forms, keyed by the original parameter names:
+
+========================  =======================================================
+``StateDictType``         state values (non-scalar tensors)
+========================  =======================================================
+FULL_STATE_DICT           whole tensors (gathered; on CPU unless
+                          ``offload_to_cpu=False``; ``rank0_only``: ``{}`` elsewhere)
+SHARDED_STATE_DICT        sharded ``DTensor`` s, as the optimizer holds them
+LOCAL_STATE_DICT          this rank's shards as plain tensors
+========================  =======================================================
+
+``param_groups`` keep their hyper-parameters; their ``"params"`` become names.
+Loading (:func:`optim_state_dict_to_load` and the older
+``shard_full_optim_state_dict`` / ``scatter_full_optim_state_dict`` /
+``flatten_sharded_optim_state_dict``) goes back to indices and this rank's
+shards, ready for ``optim.load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from shardwise._engine.module_state import states_under
+from shardwise.errors import ConfigError, ConfigTypeError
+
+from .config import OptimStateKeyType, StateDictType
+from .state_dict import _load_value, clean_name, get_state_dict_type
+
+__all__ = [
+    "flatten_sharded_optim_state_dict",
+    "full_optim_state_dict",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "rekey_optim_state_dict",
+    "scatter_full_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "sharded_optim_state_dict",
+]
+
+OptimInput = Iterable[nn.Parameter] | Iterable[dict[str, Any]] | None
+
+
+# ---- parameters and names ----------------------------------------------------------
+def _ensure_sharded(model: nn.Module) -> None:
+    """The optimizer holds the sharded parameters: register them (a forward
+    may have left the root's gathered ones registered)."""
+    for state in states_under(model):
+        if state.group is not None:
+            state.group.reshard()
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    """Parameter (by id) -> its first original name in ``model``."""
+    names: dict[int, str] = {}
+    for name, p in nn.Module.named_parameters(model):
+        names.setdefault(id(p), clean_name(name))
+    return names
+
+
+def _params_of(optim: torch.optim.Optimizer | None, optim_input: OptimInput, model: nn.Module) -> list[torch.Tensor]:
+    """Parameters in optimizer-index order: ``optim``'s, else ``optim_input``'s,
+    else ``model.parameters()``."""
+    if optim is not None:
+        if not isinstance(optim, torch.optim.Optimizer):
+            raise ConfigTypeError(f"optim must be a torch.optim.Optimizer, got {type(optim).__name__}.")
+        return [p for g in optim.param_groups for p in g["params"]]
+    if optim_input is not None:
+        items = list(optim_input)
+        if items and isinstance(items[0], dict):
+            return [p for g in items for p in g["params"]]  # type: ignore[index]
+        return items  # type: ignore[return-value]
+    return list(model.parameters())
+
+
+def _index_to_name(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
+    names = _names(model)
+    out = []
+    for i, p in enumerate(params):
+        name = names.get(id(p))
+        if name is None:
+            raise ConfigError(
+                f"the optimizer's parameter {i} (shape {tuple(p.shape)}) is not a parameter of "
+                f"{type(model).__name__}; build the optimizer on model.parameters() after wrapping."
+            )
+        out.append(name)
+    return out
+
+
+def _name_to_index(model: nn.Module, params: list[torch.Tensor]) -> dict[str, int]:
+    names = _names(model)
+    return {names[id(p)]: i for i, p in enumerate(params) if id(p) in names}
+
+
+def _check_osd(osd: object, arg: str) -> dict[str, Any]:
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise ConfigTypeError(
+            f"{arg} must be an optimizer state dict with 'state' and 'param_groups', got "
+            f"{type(osd).__name__}{' with keys ' + str(sorted(osd)) if isinstance(osd, dict) else ''}."
+        )
+    return osd
+
+
+# ---- to names ---------------------------------------------------------------------
+def _export(value: Any, kind: StateDictType, offload: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() == 0:
+        # A copy: a loaded optimizer must not share (and double-count) ``step``.
+        return value.detach().clone().cpu() if offload else value.detach().clone()
+    if isinstance(value, DTensor):
+        if kind == StateDictType.FULL_STATE_DICT:
+            value = value.full_tensor()
+        elif kind == StateDictType.LOCAL_STATE_DICT:
+            value = value.to_local()
+        else:
+            if offload and value.device.type != "cpu":
+                value = DTensor.from_local(
+                    value.to_local().cpu(), value.device_mesh, value.placements,
+                    run_check=False, shape=value.shape, stride=value.stride(),
+                )
+            return value
+    return value.cpu() if offload else value
+
+
+def _to_named(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    osd: dict[str, Any],
+    kind: StateDictType,
+    rank0_only: bool,
+    offload: bool,
+) -> dict[str, Any]:
+    _check_osd(osd, "optim_state_dict")
+    _ensure_sharded(model)
+    names = _index_to_name(model, _params_of(optim, None, model))
+    state: dict[str, Any] = {}
+    with torch.no_grad():
+        for index in sorted(osd["state"]):  # the same order on every rank: gathers pair up
+            if not isinstance(index, int) or not 0 <= index < len(names):
+                raise ConfigError(
+                    f"optimizer state key {index!r} is not an index of the optimizer's {len(names)} "
+                    "parameters; pass optim.state_dict() of this optimizer."
+                )
+            state[names[index]] = {k: _export(v, kind, offload) for k, v in osd["state"][index].items()}
+    groups = []
+    for g in osd["param_groups"]:
+        entry = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+        entry["params"] = [names[i] for i in g["params"]]
+        groups.append(entry)
+    if kind == StateDictType.FULL_STATE_DICT and rank0_only and dist.get_rank() != 0:
+        return {}
+    return {"state": state, "param_groups": groups}
+
+
+def optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """``optim``'s state keyed by original parameter names, in the form the
+    model's state-dict type says (``FullyShardedDataParallel.state_dict_type``).
+    A collective for full state dicts: call it on every rank.
+
+    Args:
+        model: the root module whose parameters ``optim`` steps.
+        optim: the optimizer.
+        optim_state_dict: the state dict to convert. (Default: ``None``: ``optim.state_dict()``)
+        group: accepted for compatibility; the parameters' own meshes are used. (Default: ``None``)
+    """
+    settings = get_state_dict_type(model)
+    cfg = settings.optim_state_dict_config
+    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+    return _to_named(
+        model, optim, osd, settings.state_dict_type, getattr(cfg, "rank0_only", False), cfg.offload_to_cpu
+    )
+
+
+def full_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_input: OptimInput = None,
+    rank0_only: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """The whole optimizer state keyed by parameter names, on the CPU; with
+    ``rank0_only`` the other ranks return ``{}``. A collective.
+
+    Args:
+        model: the root module.
+        optim: its optimizer.
+        optim_input: ignored (deprecated in PyTorch). (Default: ``None``)
+        rank0_only: only rank 0 returns the state. (Default: ``True``)
+        group: accepted for compatibility. (Default: ``None``)
+    """
+    return _to_named(model, optim, optim.state_dict(), StateDictType.FULL_STATE_DICT, rank0_only, True)
+
+
+def sharded_optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
+) -> dict[str, Any]:
+    """The optimizer state keyed by parameter names with sharded ``DTensor``
+    values (pair it with a ``SHARDED_STATE_DICT`` model state dict).
+
+    Args:
+        model: the root module.
+        optim: its optimizer.
+        group: accepted for compatibility. (Default: ``None``)
+    """
+    return _to_named(model, optim, optim.state_dict(), StateDictType.SHARDED_STATE_DICT, False, False)
+
+
+# ---- back to indices ----------------------------------------------------------------
+def _import(kind: StateDictType, key: str, value: Any, target: torch.Tensor) -> Any:
+    """One state value for ``target``'s optimizer slot. Always a copy: the
+    optimizer updates its state in place, and must neither write into the
+    dict it was given nor share a ``step`` tensor with another optimizer."""
+    if not isinstance(value, torch.Tensor):
+        return copy.deepcopy(value)
+    if value.dim() == 0:
+        return value.clone()
+    return _load_value(kind, key, value, target).clone()
+
+
+def _to_loadable(
+    model: nn.Module, params: list[torch.Tensor], osd: dict[str, Any], kind: StateDictType
+) -> dict[str, Any]:
+    _check_osd(osd, "optim_state_dict")
+    _ensure_sharded(model)
+    index = _name_to_index(model, params)
+    state: dict[int, Any] = {}
+    with torch.no_grad():
+        for name, entry in osd["state"].items():
+            i = index.get(name) if isinstance(name, str) else None
+            if i is None:
+                raise ConfigError(
+                    f"optimizer state for {name!r} matches no parameter the optimizer holds; names must "
+                    "be the model's original parameter names (rekey an index-keyed dict with "
+                    "rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model))."
+                )
+            target = params[i]
+            state[i] = {k: _import(kind, f"{name}.{k}", v, target) for k, v in entry.items()}
+    groups = []
+    for g in osd["param_groups"]:
+        entry = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+        missing = [n for n in g["params"] if n not in index]
+        if missing:
+            raise ConfigError(
+                f"param_groups name parameters {missing[:4]} that the optimizer does not hold; load into an "
+                "optimizer built the same way on the same model."
+            )
+        entry["params"] = sorted(index[n] for n in g["params"])
+        groups.append(entry)
+    return {"state": state, "param_groups": groups}
+
+
+def optim_state_dict_to_load(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any],
+    is_named_optimizer: bool = False,
+    load_directly: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Convert a state dict from :func:`optim_state_dict` (same state-dict
+    type) into one ``optim.load_state_dict`` takes: indices and this rank's shards.
+
+    Args:
+        model: the root module.
+        optim: the optimizer to load into.
+        optim_state_dict: the named state dict (for full ones with
+            ``rank0_only``, only rank 0's is read).
+        is_named_optimizer: not supported (``True`` raises). (Default: ``False``)
+        load_directly: also call ``optim.load_state_dict``. (Default: ``False``)
+        group: for ``rank0_only``, the group to broadcast over. (Default: ``None``: the world)
+    """
+    if is_named_optimizer:
+        raise ConfigError(
+            "is_named_optimizer=True (TorchRec KeyedOptimizer / NamedOptimizer) is not supported; "
+            "pass a torch.optim.Optimizer."
+        )
+    settings = get_state_dict_type(model)
+    kind = settings.state_dict_type
+    osd = optim_state_dict
+    if kind == StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False):
+        osd = _broadcast_from_rank0(osd, group)
+    result = _to_loadable(model, _params_of(optim, None, model), osd, kind)
+    if load_directly:
+        optim.load_state_dict(result)
+    return result
+
+
+def shard_full_optim_state_dict(
+    full_optim_state_dict: dict[str, Any],
+    model: nn.Module,
+    optim_input: OptimInput = None,
+    optim: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """This rank's part of a full, name-keyed optimizer state dict (every rank
+    holds the full dict), ready for ``optim.load_state_dict``.
+
+    Args:
+        full_optim_state_dict: from :func:`full_optim_state_dict`.
+        model: the (wrapped) root module.
+        optim_input: the optimizer's parameters or groups, if ``optim`` is not
+            given. (Default: ``None``: ``model.parameters()``)
+        optim: the optimizer that will load it. (Default: ``None``)
+    """
+    params = _params_of(optim, optim_input, model)
+    return _to_loadable(model, params, full_optim_state_dict, StateDictType.FULL_STATE_DICT)
+
+
+def flatten_sharded_optim_state_dict(
+    sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """A name-keyed sharded optimizer state dict (from
+    :func:`sharded_optim_state_dict`), ready for ``optim.load_state_dict``.
+
+    Args:
+        sharded_optim_state_dict: the sharded state dict.
+        model: the root module.
+        optim: the optimizer that will load it.
+    """
+    return _to_loadable(model, _params_of(optim, None, model), sharded_optim_state_dict, StateDictType.SHARDED_STATE_DICT)
+
+
+def scatter_full_optim_state_dict(
+    full_optim_state_dict: dict[str, Any] | None,
+    model: nn.Module,
+    optim_input: OptimInput = None,
+    optim: torch.optim.Optimizer | None = None,
+    group: Any | None = None,
+) -> dict[str, Any]:
+    """Like :func:`shard_full_optim_state_dict`, but only rank 0 (of
+    ``group``) needs the full dict (the others may pass ``None``); it is
+    broadcast. A collective.
+
+    Args:
+        full_optim_state_dict: the full dict on rank 0.
+        model: the root module.
+        optim_input: see :func:`shard_full_optim_state_dict`. (Default: ``None``)
+        optim: the optimizer that will load it. (Default: ``None``)
+        group: the group to broadcast over. (Default: ``None``: the world)
+    """
+    osd = _broadcast_from_rank0(full_optim_state_dict, group)
+    return _to_loadable(model, _params_of(optim, optim_input, model), osd, StateDictType.FULL_STATE_DICT)
+
+
+def rekey_optim_state_dict(
+    optim_state_dict: dict[str, Any],
+    optim_state_key_type: OptimStateKeyType,
+    model: nn.Module,
+    optim_input: OptimInput = None,
+    optim: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Re-key ``optim_state_dict`` by parameter names (``PARAM_NAME``) or
+    optimizer indices (``PARAM_ID``), e.g. to load a full dict into an
+    unwrapped model's optimizer and back.
+
+    Args:
+        optim_state_dict: the state dict.
+        optim_state_key_type: the key type wanted.
+        model: the model whose parameter names are used (wrapped or not).
+        optim_input: the optimizer's parameters or groups. (Default: ``None``)
+        optim: the optimizer whose indices are used. (Default: ``None``:
+            ``optim_input``, else ``model.parameters()``)
+    """
+    if not isinstance(optim_state_key_type, OptimStateKeyType):
+        raise ConfigTypeError(
+            f"optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, got {optim_state_key_type!r}."
+        )
+    osd = _check_osd(optim_state_dict, "optim_state_dict")
+    keys = list(osd["state"])
+    if not (all(isinstance(k, str) for k in keys) or all(isinstance(k, int) for k in keys)):
+        raise ConfigError(f"optimizer state keys must be all names or all indices, got {keys[:6]}.")
+    by_name = bool(keys) and isinstance(keys[0], str)
+    wants_name = optim_state_key_type == OptimStateKeyType.PARAM_NAME
+    if not keys or by_name == wants_name:
+        return osd
+    _ensure_sharded(model)
+    params = _params_of(optim, optim_input, model)
+    if wants_name:
+        names = _index_to_name(model, params)
+        new_state = {names[i]: v for i, v in osd["state"].items()}
+        convert: Any = lambda ps: sorted(names[i] for i in ps)
+    else:
+        index = _name_to_index(model, params)
+        new_state = {index[n]: v for n, v in osd["state"].items()}
+        convert = lambda ps: sorted(index[n] for n in ps)
+    groups = copy.deepcopy(osd["param_groups"])
+    for g in groups:
+        g["params"] = convert(g["params"])
+    return {"state": new_state, "param_groups": groups}
+
+
+# ---- broadcast ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _TensorSpec:
+    """A tensor left out of the broadcast object, sent separately."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _broadcast_from_rank0(osd: dict[str, Any] | None, group: Any) -> dict[str, Any]:
+    """Send rank 0's ``osd`` to every rank of ``group``: its structure as an
+    object, its tensors one by one (on the communication device)."""
+    group = group or dist.group.WORLD
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensors: list[torch.Tensor] = []
+    if dist.get_rank() == src:
+        leaves, spec = tree_flatten(_check_osd(osd, "full_optim_state_dict (on rank 0)"))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        box: list[Any] = [
+            tree_unflatten([_TensorSpec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        ]
+    else:
+        box = [None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    skeleton, spec = tree_flatten(box[0])
+    out, k = [], 0
+    for leaf in skeleton:
+        if not isinstance(leaf, _TensorSpec):
+            out.append(leaf)
+            continue
+        if dist.get_rank() == src:
+            buf = tensors[k].detach().to(device)
+            k += 1
+        else:
+            buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
+        dist.broadcast(buf, src=src, group=group)
+        out.append(buf.cpu())
+    return tree_unflatten(out, spec)  # type: ignore[no-any-return]

@@ -1,0 +1,321 @@
+"""Model state dicts for the wrapper API: the three ``StateDictType`` s, with
+the original parameter names.
+
+[Note: state-dict hooks]
+Each wrapper registers a post-save hook and a pre-load hook on itself, as
+PyTorch's wrapper does, so ``state_dict()`` / ``load_state_dict()`` work from
+any module above it. Saving runs bottom-up: a wrapper's hook sees the keys of
+its subtree (nested wrappers already done), drops its own
+``_fsdp_wrapped_module.`` segment from every one of them and converts the
+values of the tensors it owns itself. Loading runs top-down: a wrapper's hook
+puts its segment back into every key of its subtree and converts the values
+it owns into what its parameters are (sharded ``DTensor`` s).
+
+======================  ===========================  ==============================
+type                    saved parameter value        loaded from
+======================  ===========================  ==============================
+FULL_STATE_DICT         whole tensor (gathered)      whole tensor: this rank's chunk
+LOCAL_STATE_DICT        this rank's shard (Tensor)   the same rank's shard
+SHARDED_STATE_DICT      the sharded DTensor          a DTensor of the same sharding
+======================  ===========================  ==============================
+
+Buffers are not sharded; full and sharded dicts hold them in their original
+dtype (before ``MixedPrecision.buffer_dtype``), local ones as they are. To
+load a sharded dict saved under another world size, read it with
+``torch.distributed.checkpoint.load`` into this model's own sharded state dict.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+from shardwise.errors import ConfigError, ConfigTypeError
+
+from .config import (
+    CONFIG_FOR_TYPE,
+    OptimStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from .managed import WRAPPED_MODULE, OwnTensor, is_wrapper, own_tensors
+
+if TYPE_CHECKING:
+    from .wrapper import FullyShardedDataParallel
+
+__all__ = [
+    "clean_name",
+    "get_state_dict_type",
+    "local_chunk",
+    "register_state_dict_hooks",
+    "set_state_dict_type",
+    "wrappers_under",
+]
+
+_SEGMENT = WRAPPED_MODULE + "."
+# wrapper -> the error list of the load in progress (see _post_load_hook).
+_LOAD_ERRORS: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
+
+
+def clean_name(name: str) -> str:
+    """``name`` without any ``_fsdp_wrapped_module`` segment."""
+    name = name.replace(_SEGMENT, "")
+    if name == WRAPPED_MODULE:
+        return ""
+    if name.endswith("." + WRAPPED_MODULE):
+        return name[: -len(WRAPPED_MODULE) - 1]
+    return name
+
+
+def wrappers_under(module: nn.Module) -> list[FullyShardedDataParallel]:
+    """Every wrapper in ``module``'s subtree (``module`` included), in module order."""
+    return [m for m in module.modules() if is_wrapper(m)]  # type: ignore[misc]
+
+
+# ---- settings ---------------------------------------------------------------------
+def set_state_dict_type(
+    module: nn.Module,
+    state_dict_type: StateDictType,
+    state_dict_config: StateDictConfig | None = None,
+    optim_state_dict_config: OptimStateDictConfig | None = None,
+) -> StateDictSettings:
+    """Set the state-dict type and configs of every wrapper under ``module``;
+    return the previous settings."""
+    if not isinstance(state_dict_type, StateDictType):
+        raise ConfigTypeError(
+            f"state_dict_type must be a StateDictType (FULL_STATE_DICT, LOCAL_STATE_DICT or "
+            f"SHARDED_STATE_DICT), got {state_dict_type!r}."
+        )
+    cfg_cls, optim_cls = CONFIG_FOR_TYPE[state_dict_type]
+    cfg = cfg_cls() if state_dict_config is None else state_dict_config
+    optim_cfg = optim_cls() if optim_state_dict_config is None else optim_state_dict_config
+    if type(cfg) is not cfg_cls:
+        raise ConfigTypeError(
+            f"state_dict_config for {state_dict_type.name} must be a {cfg_cls.__name__}, got "
+            f"{type(cfg).__name__}; pass {cfg_cls.__name__}(...) or None."
+        )
+    if type(optim_cfg) is not optim_cls:
+        raise ConfigTypeError(
+            f"optim_state_dict_config for {state_dict_type.name} must be a {optim_cls.__name__}, "
+            f"got {type(optim_cfg).__name__}; pass {optim_cls.__name__}(...) or None."
+        )
+    wrappers = wrappers_under(module)
+    if not wrappers:
+        raise ConfigError(
+            f"set_state_dict_type: {type(module).__name__} contains no FullyShardedDataParallel "
+            "module; wrap the model first."
+        )
+    previous = wrappers[0]._state_dict_settings
+    for w in wrappers:
+        w._state_dict_settings = StateDictSettings(state_dict_type, cfg, optim_cfg)
+    return previous
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+    """The settings shared by every wrapper under ``module``."""
+    wrappers = wrappers_under(module)
+    if not wrappers:
+        raise ConfigError(
+            f"get_state_dict_type: {type(module).__name__} contains no FullyShardedDataParallel module."
+        )
+    settings = wrappers[0]._state_dict_settings
+    for w in wrappers[1:]:
+        if w._state_dict_settings != settings:
+            raise ConfigError(
+                f"wrappers under {type(module).__name__} have different state-dict settings "
+                f"({settings} vs {w._state_dict_settings}); set them together with "
+                "FullyShardedDataParallel.set_state_dict_type(root_module, ...)."
+            )
+    return settings
+
+
+# ---- tensors ---------------------------------------------------------------------
+def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:
+    """This rank's piece of ``full`` under ``placements`` (``torch.chunk``
+    semantics per sharded mesh dimension, empty past the last chunk); a view."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ConfigError(f"rank {dist.get_rank()} is not part of mesh {mesh}.")
+    out = full
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            n, r = mesh.size(mesh_dim), coordinate[mesh_dim]
+            size = out.size(placement.dim)
+            chunk = -(-size // n)
+            start = min(r * chunk, size)
+            out = out.narrow(placement.dim, start, max(0, min(chunk, size - start)))
+    return out
+
+
+def _like(target: DTensor, local: torch.Tensor) -> DTensor:
+    return DTensor.from_local(
+        local.to(target.to_local().device),
+        target.device_mesh,
+        target.placements,
+        run_check=False,
+        shape=target.shape,
+        stride=target.stride(),
+    )
+
+
+def _is_mesh_rank0(wrapper: FullyShardedDataParallel) -> bool:
+    coordinate = wrapper._plan.mesh.get_coordinate()
+    return coordinate is not None and all(c == 0 for c in coordinate)
+
+
+def _current(t: OwnTensor) -> torch.Tensor | None:
+    return (t.module._parameters if t.is_param else t.module._buffers)[t.attr]
+
+
+# ---- saving ----------------------------------------------------------------------
+def _save_value(
+    kind: StateDictType, cfg: StateDictConfig, value: torch.Tensor, orig_dtype: torch.dtype | None
+) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        if kind == StateDictType.FULL_STATE_DICT:
+            value = value.full_tensor()
+        elif kind == StateDictType.LOCAL_STATE_DICT:
+            value = value.to_local()
+        elif cfg.offload_to_cpu and value.device.type != "cpu":
+            local = value.to_local().cpu()
+            return DTensor.from_local(
+                local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+            )
+        else:
+            return value
+    if orig_dtype is not None and kind != StateDictType.LOCAL_STATE_DICT and value.dtype != orig_dtype:
+        value = value.to(orig_dtype)
+    if cfg.offload_to_cpu:
+        value = value.cpu()
+    return value
+
+
+def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    wrapper: FullyShardedDataParallel = module  # type: ignore[assignment]
+    settings = wrapper._state_dict_settings
+    kind, cfg = settings.state_dict_type, settings.state_dict_config
+    inner_prefix = prefix + _SEGMENT
+    own = {t.name: t for t in own_tensors(wrapper._fsdp_wrapped_module, wrapper._ignored)}
+    drop = (
+        kind == StateDictType.FULL_STATE_DICT
+        and getattr(cfg, "rank0_only", False)
+        and not _is_mesh_rank0(wrapper)
+    )
+    keys = [k for k in state_dict if k.startswith(inner_prefix)]
+    # A tied parameter has several names; gather it once.
+    converted: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for key in keys:
+            value = state_dict.pop(key)
+            rest = key[len(inner_prefix) :]
+            t = own.get(rest)
+            if t is not None and isinstance(value, torch.Tensor):
+                source = id(_current(t))
+                if source not in converted:
+                    orig = None if t.is_param else wrapper._buffer_dtypes.get(rest)
+                    converted[source] = _save_value(kind, cfg, value, orig)
+                value = converted[source]
+            if not drop:
+                state_dict[prefix + rest] = value
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [k for k in metadata if k == prefix + WRAPPED_MODULE or k.startswith(inner_prefix)]:
+            entry = metadata.pop(key)
+            metadata[prefix[:-1] if key == prefix + WRAPPED_MODULE else prefix + key[len(inner_prefix) :]] = entry
+
+
+# ---- loading ---------------------------------------------------------------------
+def _load_value(kind: StateDictType, key: str, value: Any, target: torch.Tensor | None) -> Any:
+    if not isinstance(target, DTensor) or not isinstance(value, torch.Tensor):
+        return value
+    if kind == StateDictType.FULL_STATE_DICT:
+        if isinstance(value, DTensor) or value.shape != target.shape:
+            return value  # a DTensor loads as is; a wrong shape is reported by load_state_dict
+        return _like(target, local_chunk(value, target.device_mesh, target.placements))
+    if kind == StateDictType.LOCAL_STATE_DICT:
+        local = target.to_local()
+        if isinstance(value, DTensor) or value.shape != local.shape:
+            got = f"a DTensor of shape {tuple(value.shape)}" if isinstance(value, DTensor) else f"shape {tuple(value.shape)}"
+            raise ConfigError(
+                f"LOCAL_STATE_DICT value {key!r} has {got}, but this rank's shard of it has shape "
+                f"{tuple(local.shape)}: a local state dict loads only into the same sharding (world "
+                "size, strategy, mesh). Save with SHARDED_STATE_DICT or FULL_STATE_DICT to load elsewhere."
+            )
+        return _like(target, value)
+    if not isinstance(value, DTensor):
+        raise ConfigError(
+            f"SHARDED_STATE_DICT expects sharded DTensor values, but {key!r} is a plain tensor of shape "
+            f"{tuple(value.shape)} (a full or local state dict). Load a full state dict under "
+            "FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT), or save "
+            "the checkpoint with SHARDED_STATE_DICT."
+        )
+    if value.device_mesh != target.device_mesh or tuple(value.placements) != tuple(target.placements) or value.shape != target.shape:
+        raise ConfigError(
+            f"SHARDED_STATE_DICT value {key!r} is sharded as {value.placements} on {value.device_mesh} "
+            f"with shape {tuple(value.shape)}, but the parameter is {target.placements} on "
+            f"{target.device_mesh} with shape {tuple(target.shape)}. To reshard, load the checkpoint "
+            "with torch.distributed.checkpoint.load(model.state_dict(), ...) under SHARDED_STATE_DICT."
+        )
+    if value.to_local().device != target.to_local().device:
+        return _like(target, value.to_local())
+    return value
+
+
+def _pre_load_hook(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    wrapper: FullyShardedDataParallel = module  # type: ignore[assignment]
+    kind = wrapper._state_dict_settings.state_dict_type
+    inner_prefix = prefix + _SEGMENT
+    # The post-load hook reports errors under the original names.
+    _LOAD_ERRORS[wrapper] = error_msgs
+    group = wrapper._group
+    if group is not None:
+        group.reshard()  # the targets below must be the sharded parameters
+    own = {t.name: t for t in own_tensors(wrapper._fsdp_wrapped_module, wrapper._ignored)}
+    keys = [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner_prefix)]
+    with torch.no_grad():
+        for key in keys:
+            value = state_dict.pop(key)
+            rest = key[len(prefix) :]
+            t = own.get(rest)
+            if t is not None:
+                value = _load_value(kind, key, value, _current(t))
+            state_dict[inner_prefix + rest] = value
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        # Saved dicts carry cleaned module names; loading looks modules up by raw names.
+        for raw, _ in wrapper.named_modules(prefix=prefix[:-1] if prefix else ""):
+            clean = clean_name(raw)
+            if raw not in metadata and clean in metadata:
+                metadata[raw] = metadata[clean]
+
+
+def _post_load_hook(module: nn.Module, incompatible_keys: Any) -> None:
+    """Missing / unexpected keys and error messages under the original names."""
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [clean_name(k) for k in keys]
+    errors = _LOAD_ERRORS.pop(module, None)
+    if errors is not None:
+        errors[:] = [e.replace(_SEGMENT, "") for e in errors]
+
+
+def register_state_dict_hooks(wrapper: nn.Module) -> None:
+    """Install the save and load hooks on ``wrapper`` (see [Note: state-dict hooks])."""
+    wrapper.register_state_dict_post_hook(_post_save_hook)  # type: ignore[no-untyped-call]
+    wrapper.register_load_state_dict_pre_hook(_pre_load_hook)  # type: ignore[no-untyped-call]
+    wrapper.register_load_state_dict_post_hook(_post_load_hook)  # type: ignore[no-untyped-call]

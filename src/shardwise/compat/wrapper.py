@@ -1,0 +1,762 @@
+"""``FullyShardedDataParallel``: PyTorch's wrapper API (FSDP1) on shardwise's
+one engine.
+
+The wrapper translates, it does not re-implement (SPEC §3): the sharding
+strategy becomes a mesh and a ``reshard_after_forward`` (see [Note: strategy
+table] in ``strategies.py``), the auto-wrap policy decides which submodules
+get a nested wrapper, and each wrapper calls ``fully_shard`` on its wrapped
+module and configures the resulting engine group (prefetching, low-precision
+gradients, a communication hook). Everything that runs during training is the
+engine's.
+
+Names: the wrapped module sits under ``_fsdp_wrapped_module`` (PyTorch's
+attribute), but ``named_parameters()``, ``named_buffers()`` and every state
+dict use the original names. The parameters are always the original ones, as
+sharded ``DTensor`` s (PyTorch's ``use_orig_params=True`` behaviour, whatever
+``use_orig_params`` says): there are no flat parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from shardwise._engine.module_state import state_of, states_under
+from shardwise._engine.param_group import ParamGroup, TrainingState
+from shardwise.errors import ConfigError, ConfigTypeError
+from shardwise.fully_shard import fully_shard
+from shardwise.fully_shard import summon_full_params as engine_summon
+from shardwise.policies import CPUOffloadPolicy, OffloadPolicy
+from shardwise.wrap import check_not_sharded, check_policy, plan_wrapping, post_order
+
+from . import optim_state
+from .comm_hooks import CommHookReduceScatter
+from .config import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from .managed import (
+    WRAPPED_MODULE,
+    is_wrapper,
+    materialize_meta,
+    move_to_device,
+    own_tensors,
+    resolve_ignored,
+)
+from .managed import sync_module_states as broadcast_module_states
+from .mixed_precision import cast_floats, mark_full_precision_modules, to_mp_policy
+from .state_dict import (
+    clean_name,
+    get_state_dict_type,
+    register_state_dict_hooks,
+    set_state_dict_type,
+    wrappers_under,
+)
+from .strategies import (
+    HYBRID_STRATEGIES,
+    StrategyPlan,
+    check_strategy,
+    default_device_type,
+    resolve_strategy,
+)
+
+__all__ = ["FullyShardedDataParallel"]
+
+
+def _check_optional(value: object, cls: type, arg: str) -> None:
+    if value is not None and not isinstance(value, cls):
+        raise ConfigTypeError(f"{arg} must be a {cls.__name__} or None, got {value!r} ({type(value).__name__}).")
+
+
+def _check_flag(value: object, arg: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigTypeError(f"{arg} must be a bool, got {value!r} ({type(value).__name__}).")
+    return value
+
+
+def _device_from_id(device_id: object) -> torch.device | None:
+    if device_id is None:
+        return None
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, torch.device)):
+        raise ConfigTypeError(
+            f"device_id must be an int (a CUDA device index), a torch.device or None, got {device_id!r}."
+        )
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    if device_id.type == "cuda" and device_id.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device_id
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state across ranks
+    (PyTorch's ``torch.distributed.fsdp.FullyShardedDataParallel`` API).
+
+    Example::
+
+        model = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        )
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    Args:
+        module: the module to wrap.
+        process_group: the group to shard over; for ``HYBRID_SHARD`` the pair
+            ``(intra_node_group, inter_node_group)``. (Default: ``None``: the world)
+        sharding_strategy: a :class:`ShardingStrategy`. (Default: ``None``: ``FULL_SHARD``)
+        cpu_offload: ``CPUOffload(offload_params=True)`` keeps shards, gradients
+            and optimizer state on the CPU. (Default: ``None``: no offload)
+        auto_wrap_policy: a policy from :mod:`shardwise.wrap` choosing the
+            submodules that get their own nested wrapper. (Default: ``None``)
+        backward_prefetch: a :class:`BackwardPrefetch` or ``None`` (no
+            backward prefetch). (Default: ``BackwardPrefetch.BACKWARD_PRE``)
+        mixed_precision: a :class:`MixedPrecision`. (Default: ``None``: full precision)
+        ignored_modules: modules whose parameters stay unsharded and unmanaged.
+            (Default: ``None``)
+        param_init_fn: ``fn(module)`` materialising a meta-device module, called
+            on each module the wrapper owns; without it, meta modules are
+            allocated and ``reset_parameters()`` is called. (Default: ``None``)
+        device_id: the compute device (an int is a CUDA index); the wrapped
+            module's own tensors move there. (Default: ``None``: where they are,
+            computing on the process group's device type)
+        sync_module_states: broadcast rank 0's parameters and buffers before
+            sharding, so a checkpoint loaded on rank 0 reaches every rank.
+            (Default: ``False``)
+        forward_prefetch: issue the next module's all-gather before the current
+            forward computation (in the order recorded in the first iteration).
+            (Default: ``False``)
+        limit_all_gathers: bound the unsharded groups held at once. The engine
+            always does (the current group plus one prefetched), so ``False``
+            changes nothing and warns. (Default: ``True``)
+        use_orig_params: accepted for compatibility; parameters are always the
+            original ones, as sharded ``DTensor`` s. (Default: ``False``)
+        ignored_states: ignored parameters or modules (instead of
+            ``ignored_modules``). (Default: ``None``)
+        device_mesh: a 1-D mesh to shard over, or for hybrid strategies a 2-D
+            ``(replicate, shard)`` mesh. (Default: ``None``)
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
+        device_mesh: DeviceMesh | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ConfigTypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}.")
+        if is_wrapper(module) or state_of(module) is not None:
+            raise ConfigError(
+                f"this {type(module).__name__} is already sharded; wrap each module once (nested "
+                "wrapping goes inside out, or let auto_wrap_policy do it)."
+            )
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+            raise ConfigError(
+                f"FullyShardedDataParallel cannot wrap a {type(module).__name__}: it has no forward, so "
+                "its parameters would never be gathered. Wrap the modules inside it, or its parent."
+            )
+        strategy = check_strategy(sharding_strategy)
+        _check_optional(cpu_offload, CPUOffload, "cpu_offload")
+        _check_optional(backward_prefetch, BackwardPrefetch, "backward_prefetch")
+        _check_optional(mixed_precision, MixedPrecision, "mixed_precision")
+        for value, arg in (
+            (sync_module_states, "sync_module_states"),
+            (forward_prefetch, "forward_prefetch"),
+            (limit_all_gathers, "limit_all_gathers"),
+            (use_orig_params, "use_orig_params"),
+        ):
+            _check_flag(value, arg)
+        if not limit_all_gathers:
+            warnings.warn(
+                "limit_all_gathers=False has no effect in shardwise: the engine never holds more "
+                "than the current and one prefetched group unsharded.",
+                stacklevel=2,
+            )
+        if auto_wrap_policy is not None:
+            check_policy(auto_wrap_policy, "auto_wrap_policy")
+        device = _device_from_id(device_id)
+        ignored = resolve_ignored(module, ignored_modules, ignored_states)
+        plan = resolve_strategy(strategy, process_group, device_mesh, default_device_type(device))
+
+        if auto_wrap_policy is not None:
+            root_kwargs: dict[str, Any] = {
+                "process_group": process_group,
+                "sharding_strategy": sharding_strategy,
+                "cpu_offload": cpu_offload,
+                "backward_prefetch": backward_prefetch,
+                "mixed_precision": mixed_precision,
+                "param_init_fn": param_init_fn,
+                "device_id": device_id,
+                "sync_module_states": sync_module_states,
+                "forward_prefetch": forward_prefetch,
+                "limit_all_gathers": limit_all_gathers,
+                "use_orig_params": use_orig_params,
+                "ignored_states": ignored.params or None,
+                "device_mesh": device_mesh,
+            }
+            self._auto_wrap(module, auto_wrap_policy, root_kwargs, ignored, mixed_precision)
+
+        compute_device = device or (
+            torch.device("cuda", torch.cuda.current_device()) if plan.mesh.device_type == "cuda" else torch.device("cpu")
+        )
+        materialize_meta(module, ignored, param_init_fn, compute_device)
+        if device is not None:
+            move_to_device(module, ignored, device)
+        if sync_module_states:
+            broadcast_module_states(module, ignored, plan.mesh)
+
+        offload = cpu_offload is not None and cpu_offload.offload_params
+        fully_shard(
+            module,
+            mesh=plan.mesh,
+            reshard_after_forward=plan.reshard_after_forward,
+            mp_policy=to_mp_policy(mixed_precision),
+            offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+            ignored_params=ignored.params,
+        )
+        self._fsdp_wrapped_module = module
+        self._plan: StrategyPlan = plan
+        self._ignored = ignored
+        self._compute_device = compute_device
+        self._mixed_precision = mixed_precision
+        self._cpu_offload = cpu_offload or CPUOffload()
+        self._backward_prefetch = backward_prefetch
+        self._forward_prefetch = forward_prefetch
+        self._limit_all_gathers = limit_all_gathers
+        self._use_orig_params = use_orig_params
+        self._is_root: bool | None = None
+        # Own buffers' dtypes before MixedPrecision.buffer_dtype (name -> dtype).
+        self._buffer_dtypes: dict[str, torch.dtype] = {}
+        self._comm_hook: Callable[..., Any] | None = None
+        self._state_dict_settings = StateDictSettings(
+            StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+        )
+        self._configure_group()
+        register_state_dict_hooks(self)
+
+    # ---- construction helpers -------------------------------------------------------
+    def _auto_wrap(
+        self,
+        module: nn.Module,
+        policy: Any,
+        root_kwargs: dict[str, Any],
+        ignored: Any,
+        mixed_precision: MixedPrecision | None,
+    ) -> None:
+        """Replace the submodules ``policy`` selects with nested wrappers, inner first."""
+        check_not_sharded(module, "auto_wrap_policy")
+        also = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
+        plan = plan_wrapping(
+            module,
+            policy,
+            root_kwargs=root_kwargs,
+            ignored_modules=ignored.modules,
+            ignored_params=ignored.params,
+            also_wrap=also,
+            also_wrap_kwargs={"mixed_precision": None},
+        )
+        if also:
+            found = mark_full_precision_modules(module, also, ignored.modules)
+            if found:
+                warnings.warn(
+                    "Both mixed precision and an auto_wrap_policy were given, and the model has "
+                    f"submodules of type {sorted(c.__name__ for c in found)}: they are wrapped on "
+                    "their own with mixed precision disabled (MixedPrecision._module_classes_to_ignore).",
+                    stacklevel=3,
+                )
+        for parent, name, m in list(post_order(module)):
+            kwargs = plan.get(m)
+            if kwargs is None or parent is None:
+                continue
+            kwargs = {k: v for k, v in kwargs.items() if k != "auto_wrap_policy"}
+            try:
+                wrapped = type(self)(m, **kwargs)
+            except TypeError as exc:
+                if "unexpected keyword argument" not in str(exc):
+                    raise
+                raise ConfigTypeError(
+                    f"auto_wrap_policy gave {type(m).__name__} an argument FullyShardedDataParallel does "
+                    f"not take ({exc}); a CustomPolicy's dict may hold only constructor arguments."
+                ) from exc
+            setattr(parent, name, wrapped)
+
+    def _configure_group(self) -> None:
+        """Translate the prefetch and precision options into engine group settings."""
+        group = self._group
+        if group is None:
+            return
+        # [Note: prefetch order] in the engine: None is the implicit order, [] none.
+        group.forward_prefetch = None if self._forward_prefetch else []
+        if self._backward_prefetch is None:
+            group.backward_prefetch = []
+        else:
+            group.backward_prefetch = None
+            group.prefetch_after_reduce = self._backward_prefetch == BackwardPrefetch.BACKWARD_POST
+        mp = self._mixed_precision
+        group.keep_low_precision_grads = bool(mp is not None and mp.keep_low_precision_grads)
+
+    # ---- plain accessors ---------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def _group(self) -> ParamGroup | None:
+        state = state_of(self._fsdp_wrapped_module)
+        return state.group if state is not None else None
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        """The sharding strategy of this wrapper."""
+        return self._plan.strategy
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        """This wrapper's mixed precision (``MixedPrecision()`` when none)."""
+        return self._mixed_precision or MixedPrecision()
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        """This wrapper's CPU offload setting."""
+        return self._cpu_offload
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        """This wrapper's backward prefetch mode."""
+        return self._backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        """Whether this wrapper prefetches in forward."""
+        return self._forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        """The ``limit_all_gathers`` argument (the engine always limits)."""
+        return self._limit_all_gathers
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group parameters are sharded over (for hybrid strategies, the intra-node group)."""
+        return self._plan.shard_group
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in :attr:`process_group`."""
+        return dist.get_rank(self._plan.shard_group)
+
+    @property
+    def world_size(self) -> int:
+        """The size of :attr:`process_group`."""
+        return dist.get_world_size(self._plan.shard_group)
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where forward and backward run."""
+        return self._compute_device
+
+    def __getattr__(self, name: str) -> Any:
+        """Forward missing attributes to the wrapped module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get(WRAPPED_MODULE)
+            if name == WRAPPED_MODULE or inner is None:  # not built yet (e.g. mid-deepcopy)
+                raise
+            return getattr(inner, name)
+
+    def __getitem__(self, key: int) -> Any:
+        """Forward indexing (e.g. into an ``nn.Sequential``)."""
+        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters`` with the original names (no
+        ``_fsdp_wrapped_module.`` segments)."""
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield clean_name(name), p
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """``nn.Module.named_buffers`` with the original names."""
+        for name, b in super().named_buffers(*args, **kwargs):
+            yield clean_name(name), b
+
+    # ---- forward ---------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        """At the first forward: the outermost wrapper becomes the root, and every
+        wrapper's own buffers are cast to its ``buffer_dtype``."""
+        if self._is_root is not None:
+            return
+        self._is_root = True
+        for w in wrappers_under(self):
+            if w is not self:
+                w._is_root = False
+            w._cast_buffers()
+        group = self._group
+        if group is not None and self._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+            # The root's backward ends last: a prefetch after it would gather a
+            # group whose backward is already over.
+            group.backward_prefetch = []
+
+    def _cast_buffers(self) -> None:
+        mp = self._mixed_precision
+        if mp is None or mp.buffer_dtype is None:
+            return
+        for t in own_tensors(self._fsdp_wrapped_module, self._ignored, persistent_only=False):
+            if t.is_param:
+                continue
+            buf = t.module._buffers[t.attr]
+            if buf is None or not buf.is_floating_point() or buf.dtype == mp.buffer_dtype:
+                continue
+            self._buffer_dtypes.setdefault(t.name, buf.dtype)
+            t.module._buffers[t.attr] = buf.to(mp.buffer_dtype)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module; the root casts inputs to ``param_dtype`` if
+        ``cast_root_forward_inputs``, other wrappers if ``cast_forward_inputs``."""
+        self._lazy_init()
+        mp = self._mixed_precision
+        cast = mp is not None and (mp.cast_root_forward_inputs if self._is_root else mp.cast_forward_inputs)
+        if mp is not None and mp.param_dtype is not None and cast:
+            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def check_is_root(self) -> bool:
+        """Whether this is the root wrapper (decided at the first forward, or now)."""
+        self._lazy_init()
+        return bool(self._is_root)
+
+    def _require_root(self, what: str) -> None:
+        if not self.check_is_root():
+            raise ConfigError(
+                f"{what} must be called on the root FullyShardedDataParallel module (the outermost "
+                "one), not on a nested one."
+            )
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """Every wrapper in ``module``'s subtree (``module`` included); with
+        ``root_only``, only those not nested in another.
+
+        Args:
+            module: any module.
+            root_only: only the outermost wrappers. (Default: ``False``)
+        """
+        wrappers = wrappers_under(module)
+        if not root_only:
+            return wrappers
+        nested = {id(m) for w in wrappers for m in w.modules() if m is not w and is_wrapper(m)}
+        return [w for w in wrappers if id(w) not in nested]
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with this wrapper's full parameters gathered (and
+        written back), so ``fn`` can initialise them."""
+        with FullyShardedDataParallel.summon_full_params(self, recurse=False, writeback=True):
+            super().apply(fn)
+        return self
+
+    # ---- training helpers ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without communication inside the context; they
+        are reduced at the first backward after it. Call it on the root.
+        ``SHARD_GRAD_OP`` also keeps its gathered parameters across backward."""
+        self._require_root("no_sync()")
+        saved = []
+        for w in wrappers_under(self):
+            group = w._group
+            if group is None:
+                continue
+            saved.append((group, group.requires_grad_sync, group.reshard_after_backward))
+            group.requires_grad_sync = False
+            if w._plan.keep_params_in_no_sync:
+                group.reshard_after_backward = False
+        try:
+            yield
+        finally:
+            for group, sync, reshard in saved:
+                group.requires_grad_sync = sync
+                group.reshard_after_backward = reshard
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of all parameters in place so that their total
+        norm (over every shard on every rank, viewed as one vector) is at most
+        ``max_norm``; return that total norm. Call it on the root, on every rank.
+
+        Args:
+            max_norm: the largest allowed norm.
+            norm_type: the p of the p-norm; ``math.inf`` for the max norm. (Default: ``2.0``)
+        """
+        self._require_root("clip_grad_norm_()")
+        max_norm, p = float(max_norm), float(norm_type)
+        device = self._compute_device
+        inf = math.isinf(p)
+        # Sharded gradients: per shard group, reduce the local p-th powers (or maxima).
+        per_group: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+        local: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for param in self.parameters():
+            g = param.grad
+            if g is None:
+                continue
+            grads.append(g)
+            if isinstance(g, DTensor):
+                t = g.to_local()
+                dims = [i for i, pl in enumerate(g.placements) if isinstance(pl, Shard) and g.device_mesh.size(i) > 1]
+                norm = torch.linalg.vector_norm(t.float(), p).to(device) if t.numel() else torch.zeros((), device=device)
+                if dims:
+                    group = g.device_mesh.get_group(dims[0])
+                    per_group.setdefault(id(group), (group, []))[1].append(norm)
+                    continue
+                local.append(norm)
+            else:
+                local.append(torch.linalg.vector_norm(g.float(), p).to(device))
+        total = torch.zeros((), device=device)
+        for group, norms in per_group.values():
+            part = torch.stack(norms).max() if inf else (torch.stack(norms) ** p).sum()
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+            total = torch.maximum(total, part) if inf else total + part
+        if local:
+            part = torch.stack(local).max() if inf else (torch.stack(local) ** p).sum()
+            total = torch.maximum(total, part) if inf else total + part
+        if not inf:
+            total = total ** (1.0 / p)
+        if self._cpu_offload.offload_params:
+            total = total.cpu()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device, g.dtype))
+        if not grads:
+            warnings.warn(
+                f"clip_grad_norm_() on rank {dist.get_rank()} found no gradients; returning the norm "
+                f"in {total.dtype}.",
+                stacklevel=2,
+            )
+            return total
+        return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Reduce gradients with ``hook(state, grad, output)`` instead of the
+        default reduce-scatter, on every wrapper under this root (before the
+        first forward, once). ``grad`` is the flat unsharded gradient,
+        ``output`` this rank's shard; the hook averages. Sharded strategies
+        (``FULL_SHARD``, ``SHARD_GRAD_OP``) only.
+
+        Args:
+            state: passed to every call of ``hook`` (e.g.
+                ``default_hooks.DefaultState(model.process_group)``).
+            hook: e.g. ``default_hooks.reduce_scatter_hook``,
+                ``fp16_compress_hook`` or ``bf16_compress_hook``.
+        """
+        self._require_root("register_comm_hook")
+        if not callable(hook):
+            raise ConfigTypeError(f"The communication hook must be callable, got {type(hook).__name__}.")
+        wrappers = wrappers_under(self)
+        for w in wrappers:
+            if w._plan.strategy in HYBRID_STRATEGIES:
+                raise ConfigError(
+                    f"communication hooks are not supported for hybrid strategies "
+                    f"({w._plan.strategy.name}), as in PyTorch; use FULL_SHARD or SHARD_GRAD_OP."
+                )
+            if w._plan.strategy == ShardingStrategy.NO_SHARD:
+                raise ConfigError(
+                    "communication hooks with NO_SHARD (hook(state, grad), an all-reduce) are not "
+                    "supported yet: the engine's replicate all-reduce has no hook point. Use FULL_SHARD or "
+                    "SHARD_GRAD_OP with a reduce-scatter hook."
+                )
+            if w._comm_hook is not None:
+                raise ConfigError("A communication hook is already registered; register one hook, once.")
+        for w in wrappers:
+            w._comm_hook = hook
+            group = w._group
+            if group is not None:
+                group.reduce_scatter_comm = CommHookReduceScatter(hook, state)
+                group.gradient_divide_factor = 1.0  # the hook averages
+
+    # ---- summon_full_params ------------------------------------------------------------
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Expose full, full-precision parameters of the wrappers in ``module``
+        (outside forward and backward). On exit, changes to this rank's part are
+        written back (``writeback``) and the parameters are sharded again.
+
+        Args:
+            module: a wrapper, or any module containing some.
+            recurse: also the nested wrappers. (Default: ``True``)
+            writeback: keep modifications. (Default: ``True``)
+            rank0_only: only rank 0 holds full parameters; the others keep their
+                shards. Not with ``writeback=True``. (Default: ``False``)
+            offload_to_cpu: the full parameters are CPU copies. (Default: ``False``)
+            with_grads: also gather gradients, as the full parameters' ``.grad``.
+                (Default: ``False``)
+        """
+        for value, arg in (
+            (recurse, "recurse"),
+            (writeback, "writeback"),
+            (rank0_only, "rank0_only"),
+            (offload_to_cpu, "offload_to_cpu"),
+            (with_grads, "with_grads"),
+        ):
+            _check_flag(value, arg)
+        if rank0_only and writeback:
+            raise ConfigError(
+                "summon_full_params(rank0_only=True, writeback=True) is not supported: the other ranks "
+                "hold only shards, so writing back would make ranks disagree. Pass writeback=False."
+            )
+        roots = FullyShardedDataParallel.fsdp_modules(module, root_only=True)
+        targets: list[nn.Module] = list(roots) if recurse else [r._fsdp_wrapped_module for r in roots]
+        groups = [
+            s.group
+            for t in targets
+            for s in (states_under(t) if recurse else [state_of(t)])
+            if s is not None and s.group is not None
+        ]
+        _check_idle(groups)
+        with contextlib.ExitStack() as stack:
+            for t in targets:
+                if any(s.group is not None for s in (states_under(t) if recurse else [state_of(t)]) if s is not None):
+                    stack.enter_context(engine_summon(t, recurse=recurse, writeback=writeback))
+            if rank0_only and dist.get_rank() != 0:
+                for g in groups:
+                    g.reshard()
+            elif with_grads or (offload_to_cpu and any(g.device.type != "cpu" for g in groups)):
+                stack.enter_context(_expose(groups, with_grads, offload_to_cpu, writeback))
+            yield
+
+    # ---- state dicts -------------------------------------------------------------------
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Set the state-dict type (and model / optimizer configs) of every
+        wrapper under ``module``; return the previous settings.
+
+        Args:
+            module: the root module (wrapper or not).
+            state_dict_type: FULL_STATE_DICT, LOCAL_STATE_DICT or SHARDED_STATE_DICT.
+            state_dict_config: the matching config. (Default: ``None``: its defaults)
+            optim_state_dict_config: the matching optimizer config. (Default: ``None``)
+        """
+        return set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state-dict settings of the wrappers under ``module`` (they must agree)."""
+        return get_state_dict_type(module)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Iterator[None]:
+        """:meth:`set_state_dict_type` for the duration of the context."""
+        prev = set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        try:
+            yield
+        finally:
+            set_state_dict_type(module, prev.state_dict_type, prev.state_dict_config, prev.optim_state_dict_config)
+
+    # ---- optimizer state dicts (see optim_state.py) -------------------------------------
+    optim_state_dict = staticmethod(optim_state.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
+    full_optim_state_dict = staticmethod(optim_state.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(optim_state.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(optim_state.shard_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(optim_state.flatten_sharded_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(optim_state.scatter_full_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(optim_state.rekey_optim_state_dict)
+
+
+def _check_idle(groups: list[ParamGroup]) -> None:
+    """summon_full_params only outside forward and backward."""
+    for g in groups:
+        root = g.ctx.root
+        busy = [x for x in (g, root.group if root is not None else None) if x is not None and x.training_state != TrainingState.IDLE]
+        if busy:
+            raise ConfigError(
+                f"summon_full_params cannot run inside forward or backward ({busy[0].name} is in "
+                f"{busy[0].training_state.name}); call it before the forward or after the backward."
+            )
+
+
+@contextlib.contextmanager
+def _expose(groups: list[ParamGroup], with_grads: bool, offload_to_cpu: bool, writeback: bool) -> Iterator[None]:
+    """Inside an engine summon: register CPU copies of the full parameters
+    (``offload_to_cpu``) and/or gather gradients onto them (``with_grads``)."""
+    swapped: list[tuple[Any, nn.Parameter]] = []
+    graded: list[nn.Parameter] = []
+    try:
+        for g in groups:
+            for sp in g.params:
+                full = sp.unsharded_param
+                if full is None:
+                    continue
+                exposed = full
+                if offload_to_cpu and full.device.type != "cpu":
+                    exposed = nn.Parameter(full.detach().cpu(), requires_grad=full.requires_grad)
+                    for owner, attr in sp.owners:
+                        owner._parameters[attr] = exposed
+                    swapped.append((sp, exposed))
+                grad = sp.sharded_param.grad
+                if with_grads and grad is not None:
+                    whole = grad.full_tensor() if isinstance(grad, DTensor) else grad
+                    exposed.grad = whole.to(exposed.device, exposed.dtype)
+                    graded.append(exposed)
+        yield
+    finally:
+        for p in graded:
+            p.grad = None
+        for sp, exposed in swapped:
+            if writeback:
+                with torch.no_grad():
+                    sp.unsharded_param.copy_(exposed)
+            sp.register_unsharded()
