@@ -187,19 +187,25 @@ def test_sharded_bytes_are_chunk_rows():
 
 
 @multi_rank(world_sizes=(2,))
-def test_backward_prefetch_after_reduce_scatter():
-    """The BACKWARD_POST order: block i's reduce-scatter is issued before block i-1's all-gather."""
+def test_backward_prefetch_in_post_backward():
+    """FSDP1's BACKWARD_POST order: block i's gradients are computed and its
+    parameters freed before block i-1's all-gather, which is issued before
+    block i's reduce-scatter (so that reduce-scatter overlaps the next compute)."""
     model, cfg = _model()
     for state in [b._get_fsdp_state() for b in model.blocks] + [model._get_fsdp_state()]:
-        state.group.prefetch_after_reduce = True
+        state.group.prefetch_in_post_backward = True
     _step(model, cfg)
     with _record() as log:
         _step(model, cfg)
     names = [(k, w) for k, w, _ in log]
+    fwd_ag = {w: j for j, (k, w) in enumerate(names) if k == "AG" and j < len(names) // 2}
     for i in range(1, N_LAYERS):
         rs_cur = names.index(("RS", f"blocks.{i}"))
         ag_prev = max(j for j, e in enumerate(names) if e == ("AG", f"blocks.{i - 1}"))
-        assert rs_cur < ag_prev, names
+        assert ag_prev > fwd_ag.get(f"blocks.{i - 1}", -1) and ag_prev < rs_cur, names
+    # each block gathered exactly twice (forward, backward): no gather after its backward
+    for i in range(N_LAYERS):
+        assert names.count(("AG", f"blocks.{i}")) == 2, names
 
 
 @multi_rank(world_sizes=(2,))

@@ -146,12 +146,6 @@ def _backward_post_log():
     return _recorded_step(model, cfg)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: with prefetch_after_reduce the prefetch is issued after this group's reduce-scatter; "
-    "PyTorch's BACKWARD_POST (and SPEC's 'overlaps the current reduce-scatter with the next gradient "
-    "computation') issues it after the reshard but before the reduce-scatter. See the report.",
-)
 def test_backward_post_gathers_next_before_current_reduce_scatter():
     # Asserted here, not on the ranks, so that the expected failure leaves the workers alone.
     from shardwise.testing import run_on_ranks

@@ -150,9 +150,10 @@ class ParamGroup:
         self.post_forward_indices: list[int] = []
         self.forward_prefetch: list[ParamGroup] | None = None
         self.backward_prefetch: list[ParamGroup] | None = None
-        # Issue the backward prefetch after this group's reduce-scatter instead of
-        # before its gradient computation (less memory, later overlap).
-        self.prefetch_after_reduce = False
+        # Issue the backward prefetch in post-backward (after this group's gradient
+        # computation and reshard, before its reduce-scatter: FSDP1's BACKWARD_POST)
+        # instead of in pre-backward (BACKWARD_PRE): less memory, later overlap.
+        self.prefetch_in_post_backward = False
         self._backward_targets: list[ParamGroup] = []
         # Leave reduced gradients in the reduction dtype instead of upcasting.
         self.keep_low_precision_grads = False
@@ -392,7 +393,7 @@ class ParamGroup:
                 if i > 0:
                     targets = [self.ctx.post_forward_order[i - 1]]
         self._backward_targets = targets
-        if not self.prefetch_after_reduce:
+        if not self.prefetch_in_post_backward:
             self._prefetch_backward()
         if self.unshard_in_backward:
             self.wait_for_unshard()
@@ -400,7 +401,8 @@ class ParamGroup:
     def _prefetch_backward(self) -> None:
         targets, self._backward_targets = self._backward_targets, []
         for target in targets:
-            if target.unshard_in_backward and target.training_state != TrainingState.PRE_BACKWARD:
+            done = target.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+            if target.unshard_in_backward and not done:
                 target.prefetch()
 
     def post_backward(self) -> None:
@@ -429,12 +431,14 @@ class ParamGroup:
                 up.grad = None
                 params.append(p)
                 grads.append(grad)
+            # Free this group's parameters and issue the next gather (in
+            # BACKWARD_POST mode) before reducing: the gradients are separate tensors.
+            if self.reshard_after_backward:
+                self.reshard()
+            self._prefetch_backward()
             if grads:
                 self.ctx.drain(keep=1)
                 self.ctx.pending.append(self._start_reduction(params, grads))
-        if self.reshard_after_backward:
-            self.reshard()
-        self._prefetch_backward()  # BACKWARD_POST order: after the reduce-scatter
 
     def _divide_factors(self, dtype: torch.dtype) -> tuple[float, float]:
         factor = float(self.gradient_divide_factor or self.info.dp_size)

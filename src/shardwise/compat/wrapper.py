@@ -325,7 +325,7 @@ class FullyShardedDataParallel(nn.Module):
             group.backward_prefetch = []
         else:
             group.backward_prefetch = None
-            group.prefetch_after_reduce = self._backward_prefetch == BackwardPrefetch.BACKWARD_POST
+            group.prefetch_in_post_backward = self._backward_prefetch == BackwardPrefetch.BACKWARD_POST
         mp = self._mixed_precision
         group.keep_low_precision_grads = bool(mp is not None and mp.keep_low_precision_grads)
 
@@ -426,11 +426,6 @@ class FullyShardedDataParallel(nn.Module):
             if w is not self:
                 w._is_root = False
             w._cast_buffers()
-        group = self._group
-        if group is not None and self._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
-            # The root's backward ends last: a prefetch after it would gather a
-            # group whose backward is already over.
-            group.backward_prefetch = []
 
     def _cast_buffers(self) -> None:
         mp = self._mixed_precision
