@@ -26,6 +26,8 @@ LAYERS = {
     "shardwise.wrap": 4,  # wrap policies + apply_policy, above fully_shard
     "shardwise.compat": 5,  # the wrapper API, above fully_shard and wrap
     "shardwise.models": 0,
+    "shardwise.planner": 0,  # depends on policies alone
+    "shardwise.checkpoint": 4,  # state dicts over the engine, beside wrap
     "shardwise.testing": 9,
     "shardwise.cli": 9,
     "shardwise.__main__": 9,
