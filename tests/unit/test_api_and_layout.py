@@ -29,6 +29,7 @@ LAYERS = {
     "shardwise.planner": 0,  # depends on policies alone
     "shardwise.checkpoint": 4,  # state dicts over the engine, beside wrap
     "shardwise.testing": 9,
+    "shardwise.train": 8,  # the main job, over everything but testing
     "shardwise.cli": 9,
     "shardwise.__main__": 9,
     "shardwise": 6,  # the package __init__

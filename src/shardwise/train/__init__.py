@@ -1,0 +1,16 @@
+"""``shardwise train``: sharded training of a GPT-style model from the command
+line, on one machine (``--nproc`` local ranks) or many (``torchrun``).
+
+* ``config``   the settings: TOML keys = flags, validated
+* ``data``     token streams (text bytes, uint16 ``.bin``, Python's own text), per-rank slices
+* ``model``    the built-in GPT or a Hugging Face causal LM, and how it is sharded
+* ``schedule`` warm-up + cosine learning rate
+* ``launch``   checks before any rank starts, dry run, starting the ranks
+* ``loop``     one rank's training: steps, checkpoints, export, summary
+* ``report``   progress bar and tables; ``plot`` the PNG of loss and memory
+"""
+
+from shardwise.train.config import TrainConfig, load_toml, resolve
+from shardwise.train.launch import Plan, World, dry_run, launch, preflight, torchrun_world
+
+__all__ = ["Plan", "TrainConfig", "World", "dry_run", "launch", "load_toml", "preflight", "resolve", "torchrun_world"]

@@ -1,0 +1,288 @@
+"""Before any rank starts: check the configuration against the world, the
+data, the devices and the checkpoints (every mistake a user can make is
+reported here, not from inside a rank), print a dry run, and start the ranks
+(``--nproc`` local processes, or this process as one rank of ``torchrun``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from shardwise.errors import CheckpointError, ConfigError
+from shardwise.planner import MemoryEstimate, estimate_memory, unsharded_model_state
+from shardwise.train.config import TrainConfig, render_toml
+from shardwise.train.data import TokenSource, open_source, slice_bounds
+from shardwise.train.model import (
+    build_model,
+    check_transformers,
+    mixed_precision,
+    offload_policy,
+    planner_groups,
+    reshard_after_forward,
+)
+from shardwise.train.report import fmt_bytes, table
+
+__all__ = ["Plan", "World", "dry_run", "estimates", "launch", "preflight", "torchrun_world"]
+
+
+@dataclass(frozen=True)
+class World:
+    """How many ranks, and how this process joins them."""
+
+    size: int
+    torchrun: bool  # started by torchrun (env:// rendezvous, one rank per process)
+    rank: int = 0  # this process's rank under torchrun
+    local_rank: int = 0
+    local_size: int = 1  # ranks on this node
+
+
+def torchrun_world(cfg: TrainConfig, env: dict[str, str] | None = None) -> World:
+    """The world from torchrun's environment (``RANK``, ``WORLD_SIZE``, ...), else ``cfg.nproc`` local ranks."""
+    env = dict(os.environ) if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        size = int(env["WORLD_SIZE"])
+        return World(size, True, int(env["RANK"]), int(env.get("LOCAL_RANK", "0")),
+                     int(env.get("LOCAL_WORLD_SIZE", str(size))))
+    return World(cfg.nproc, False, local_size=cfg.nproc)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked configuration, ready to hand to every rank."""
+
+    cfg: TrainConfig  # vocab_size and shard_size resolved
+    world: World
+    device_type: str  # "cpu" or "cuda"
+    source: TokenSource
+    micro_batch: int  # sequences per rank per micro-step
+    resume_from: Path | None  # the checkpoint to load, if resuming
+
+
+def _device_type(cfg: TrainConfig, world: World) -> str:
+    cuda = torch.cuda.is_available()
+    if cfg.device == "cuda" and not cuda:
+        raise ConfigError("device='cuda' but CUDA is not available here: use --device cpu (or auto)")
+    kind = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and cuda) else "cpu"
+    if kind == "cuda" and world.local_size > torch.cuda.device_count():
+        raise ConfigError(
+            f"{world.local_size} ranks on this node but only {torch.cuda.device_count()} CUDA devices: "
+            f"use --nproc {torch.cuda.device_count()} (one rank per GPU), or --device cpu"
+        )
+    return kind
+
+
+def _shard_size(cfg: TrainConfig, world: World) -> int:
+    if cfg.strategy != "hybrid":
+        if cfg.shard_size:
+            raise ConfigError(
+                f"shard_size={cfg.shard_size} only applies to strategy='hybrid' (got strategy={cfg.strategy!r}): "
+                "set strategy='hybrid' or drop shard_size"
+            )
+        return 0
+    size = cfg.shard_size
+    if not size:
+        size = world.local_size if world.torchrun and world.local_size < world.size else world.size // 2
+    if size < 1 or world.size % size:
+        raise ConfigError(
+            f"strategy='hybrid' with shard_size={size or cfg.shard_size} on {world.size} ranks: the shard groups "
+            f"must divide the world; set shard_size to a divisor of {world.size} smaller than it "
+            f"(e.g. {max(1, world.size // 2)}) or use strategy='full'"
+        )
+    return size
+
+
+def _check_checkpoint(path: Path, cfg: TrainConfig, vocab_size: int) -> None:
+    """A :class:`CheckpointError` if the checkpoint at ``path`` holds another model."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is the same user-facing problem
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    saved = {key[len("model."):]: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and hasattr(md, "size")}
+    built = build_model(cfg, vocab_size, torch.device("meta"))
+    expected = {k: tuple(v.shape) for k, v in built.model.state_dict().items()}
+    wrong = [f"{k} is {list(saved[k])} there but {list(v)} here" for k, v in expected.items()
+             if k in saved and saved[k] != v]
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    if wrong or missing or unexpected:
+        detail = "; ".join(wrong[:3]) if wrong else (
+            f"it lacks {', '.join(missing[:3])}" if missing else f"it has {', '.join(unexpected[:3])}, this model not")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is of another model than this configuration ({detail}): resume with the "
+            "settings it was saved with, or pass another --checkpoint-dir (or drop --resume) to start afresh"
+        )
+
+
+def _check_init_from(cfg: TrainConfig, vocab_size: int) -> None:
+    from shardwise.checkpoint.safetensors_format import read_header
+
+    path = Path(cfg.init_from)
+    if not path.is_file():
+        raise ConfigError(f"init_from={cfg.init_from!r} does not exist: pass a safetensors file (e.g. an --export)")
+    with open(path, "rb") as fh:
+        header = read_header(fh, str(path))
+    shapes = {name: tuple(e.shape) for name, e in header.entries.items()}
+    built = build_model(cfg, vocab_size, torch.device("meta"))
+    wrong = [f"{k} is {list(shapes[k])} there but {list(v.shape)} here" for k, v in built.model.state_dict().items()
+             if k in shapes and shapes[k] != tuple(v.shape)]
+    if wrong:
+        raise ConfigError(
+            f"init_from={cfg.init_from!r} holds another model ({'; '.join(wrong[:3])}): use the model settings "
+            "it was exported with"
+        )
+
+
+def preflight(cfg: TrainConfig, world: World) -> Plan:
+    """Check ``cfg`` for ``world`` and resolve what depends on the data and the
+    machine; every problem is a :class:`ConfigError` / ``CheckpointError``
+    before any rank starts.
+
+    Args:
+        cfg: the configuration.
+        world: the ranks to train on.
+    """
+    from shardwise.checkpoint import latest
+
+    if cfg.model == "hf":
+        check_transformers()
+    if world.size < 1:
+        raise ConfigError(f"world size {world.size} must be >= 1")
+    micro = cfg.micro_batch(world.size)
+    source = open_source(cfg.data, scan_vocab=not cfg.vocab_size)
+    vocab = cfg.vocab_size or source.vocab_size
+    if vocab < source.vocab_size:
+        raise ConfigError(
+            f"vocab_size={vocab} is smaller than the data needs ({source.vocab_size}): raise it, or 0 for automatic"
+        )
+    start, end = slice_bounds(source.length, world.size, world.size - 1)
+    if (end - start - 1) // cfg.seq_len < 1:
+        raise ConfigError(
+            f"the data ({source.length:,} tokens) split over {world.size} ranks leaves {end - start} tokens per rank, "
+            f"less than one sequence of seq_len + 1 = {cfg.seq_len + 1}: use more data, a smaller --seq-len, or "
+            "fewer ranks"
+        )
+    device_type = _device_type(cfg, world)
+    cfg = replace(cfg, vocab_size=vocab, shard_size=_shard_size(cfg, world))
+    if cfg.init_from:
+        _check_init_from(cfg, vocab)
+    resume_from = None
+    checkpointing = cfg.checkpoint_every > 0 or cfg.stop_at > 0
+    found = latest(cfg.checkpoint_dir) if (cfg.resume or checkpointing) and Path(cfg.checkpoint_dir).is_dir() else None
+    if cfg.resume and found is not None:
+        _check_checkpoint(found, cfg, vocab)
+        resume_from = found
+    elif checkpointing and found is not None and not cfg.dry_run:
+        raise ConfigError(
+            f"checkpoint_dir={cfg.checkpoint_dir!r} already holds checkpoints of an earlier run (latest: "
+            f"{found.name}): pass --resume to continue it, or choose another --checkpoint-dir"
+        )
+    return Plan(cfg, world, device_type, source, micro, resume_from)
+
+
+def estimates(plan: Plan) -> tuple[list[MemoryEstimate], int]:
+    """Per-rank memory estimates (rank order) and an unsharded copy's model state, for ``plan``."""
+    cfg = plan.cfg
+    built = build_model(cfg, cfg.vocab_size, torch.device("meta"))
+    groups = planner_groups(built, cfg)
+    shard = cfg.shard_size or plan.world.size
+    per_rank = [
+        estimate_memory(groups, shard_size=shard, rank=r, mp_policy=mixed_precision(cfg),
+                        offload_policy=offload_policy(cfg), reshard_after_forward=reshard_after_forward(cfg))
+        for r in range(min(plan.world.size, shard))
+    ]
+    return per_rank, unsharded_model_state(groups)
+
+
+def dry_run(plan: Plan, out: TextIO | None = None) -> None:
+    """Print the resolved configuration and each rank's memory estimate; allocate nothing.
+
+    Args:
+        plan: from :func:`preflight`.
+        out: where to print. (Default: ``sys.stdout``)
+    """
+    out = out if out is not None else sys.stdout
+    cfg, world = plan.cfg, plan.world
+    built = build_model(cfg, cfg.vocab_size, torch.device("meta"))
+    n_params = sum(p.numel() for p in built.model.parameters())
+    per_rank, unsharded = estimates(plan)
+    print(f"# shardwise train --dry-run: {world.size} ranks ({plan.device_type}), nothing allocated", file=out)
+    print(render_toml(cfg), file=out)
+    print(f"model: {built.description}, {n_params:,} parameters ({fmt_bytes(4 * n_params)} in fp32), "
+          f"{len(planner_groups(built, cfg))} communication groups", file=out)
+    print(f"data: {plan.source.description}, {plan.source.length:,} tokens; {plan.micro_batch} sequences per "
+          f"rank per micro-step", file=out)
+    if plan.resume_from is not None:
+        print(f"resume from: {plan.resume_from}", file=out)
+    where = "host (offloaded)" if cfg.offload else "device"
+    rows: list[list[str]] = []
+    # one row per run of ranks with equal estimates (ranks r and r + shard_size hold the same)
+    first = 0
+    for i, est in enumerate(per_rank):
+        cells = [fmt_bytes(est.sharded_params), fmt_bytes(est.sharded_grads), fmt_bytes(est.optimizer_state),
+                 fmt_bytes(est.unsharded_peak), fmt_bytes(est.root_unsharded), fmt_bytes(est.total)]
+        if rows and rows[-1][1:] == cells:
+            rows[-1][0] = f"{first}-{i}"
+        else:
+            first = i
+            rows.append([str(i), *cells])
+    print(f"\nper-rank memory estimate (model state on the {where}; activations not included):", file=out)
+    print(table(["rank", "params", "grads", "AdamW state", "unsharded peak", "root", "total"], rows), file=out)
+    if len(per_rank) < world.size:
+        print(f"(ranks r and r + k * {len(per_rank)} hold the same: the {world.size // len(per_rank)} replicas "
+              "of the hybrid mesh)", file=out)
+    print(f"an unsharded copy (DDP) would hold {fmt_bytes(unsharded)} of model state per rank; rank 0 holds "
+          f"{fmt_bytes(per_rank[0].model_state)} ({per_rank[0].model_state / unsharded:.1%})", file=out)
+    print("formula: shardwise.planner.memory, [Note: the per-rank memory formula]", file=out)
+
+
+def _loopback_interface() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):  # pragma: no cover - platforms without if_nameindex
+        return None
+    return next((n for n in names if n == "lo" or n.startswith("lo")), None)
+
+
+def launch(plan: Plan) -> None:
+    """Run the training: this process as one rank under torchrun, else
+    ``world.size`` spawned local processes (gloo or NCCL over 127.0.0.1).
+
+    Local ranks rendezvous through a TCP store hosted here, in the launcher,
+    on a port the OS picks: it outlives every rank, so no rank's exit can pull
+    the store from under another one still tearing down (and no two launches
+    race for a port).
+    """
+    from shardwise.train.loop import run_rank
+
+    if plan.world.torchrun:
+        run_rank(plan.world.rank, plan.world.size, plan, None)
+        return
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    # Each rank gets an equal share of the cores (one thread each on a small machine).
+    threads = max(1, (os.cpu_count() or 1) // plan.world.size)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    loopback = _loopback_interface()
+    if loopback is not None and plan.device_type == "cpu":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, None, True, timeout=timedelta(minutes=10), wait_for_workers=False
+    )
+    try:
+        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+            run_rank, args=(plan.world.size, plan, store.port), nprocs=plan.world.size, start_method="spawn"
+        )
+    finally:
+        del store

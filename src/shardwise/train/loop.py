@@ -1,0 +1,306 @@
+"""One rank of ``shardwise train``: join the process group, build and shard
+the model, resume, run the optimizer steps, checkpoint, export, report.
+
+[Note: one training step]
+For each of ``grad_accum`` micro-steps: the rank's next ``micro_batch``
+sequences, forward, loss / grad_accum, backward; gradient sync (the
+reduce-scatter) is off on all but the last micro-step
+(``set_requires_gradient_sync(False)``), so gradients accumulate locally and
+are reduced once. Then the global gradient norm is clipped
+(``clip_grad_norm_`` on the DTensor gradients), the learning rate for the step
+is set (a pure function of the step), AdamW steps on each rank's shards, and
+the micro-step losses are averaged over the ranks for the log. Everything a
+resumed run needs to repeat this exactly is the step, the data position, the
+model and the optimizer state (and, with dropout, the RNG states).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import math
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.models import GPT
+from shardwise.train.config import as_dict
+from shardwise.train.data import Batches
+from shardwise.train.launch import Plan, estimates
+from shardwise.train.model import BuiltModel, build_model, shard_model
+from shardwise.train.plot import Panel, write_plot
+from shardwise.train.report import Progress, RankStats, current_memory, fmt_bytes, fmt_duration, peak_memory
+from shardwise.train.report import summary_table
+from shardwise.train.schedule import learning_rate
+
+__all__ = ["run_rank", "state_bytes", "train"]
+
+
+def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[int, int]:
+    """``(held, unsharded)``: bytes of parameters, gradients and optimizer state
+    this rank holds (local shards), and what a whole copy of each would take."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    held = full = 0
+    for p in model.parameters():
+        tensors = [p] + ([p.grad] if p.grad is not None else [])
+        tensors += [v for v in optim.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.ndim > 0]
+        for t in tensors:
+            held += local(t).numel() * t.element_size()
+            full += t.numel() * t.element_size()
+    return held, full
+
+
+def _mesh(plan: Plan) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    size = plan.world.size
+    if plan.cfg.strategy == "hybrid":
+        shard = plan.cfg.shard_size
+        return init_device_mesh(plan.device_type, (size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(plan.device_type, (size,), mesh_dim_names=("shard",))
+
+
+def _optimizer(model: nn.Module, plan: Plan) -> torch.optim.Optimizer:
+    cfg = plan.cfg
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    )
+
+
+class _Run:
+    """The state of one rank's training run."""
+
+    def __init__(self, plan: Plan, rank: int, device: torch.device) -> None:
+        self.plan = plan
+        self.cfg = plan.cfg
+        self.rank = rank
+        self.world = plan.world.size
+        self.device = device
+        self.built: BuiltModel = build_model(self.cfg, self.cfg.vocab_size, device)
+        shard_model(self.built, self.cfg, _mesh(plan), device)
+        self.model = self.built.model
+        if self.cfg.init_from:
+            from shardwise.checkpoint import load_from_file
+
+            load_from_file(self.cfg.init_from, self.model)
+        self.optim = _optimizer(self.model, plan)
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+        position = 0
+        if plan.resume_from is not None:
+            position = self._resume(plan.resume_from)
+        self.batches = Batches(plan.source, self.cfg.seq_len, self.world, rank, self.cfg.seed, position)
+
+    def _resume(self, path: Path) -> int:
+        from shardwise.checkpoint import load
+
+        extra = load(path, self.model, self.optim) or {}
+        self.step = int(extra.get("step", 0))
+        self.history = list(extra.get("history", []))
+        saved_world = int(extra.get("world_size", self.world))
+        rng = extra.get("rng")
+        if rng is not None and saved_world == self.world:
+            torch.set_rng_state(rng[self.rank])
+        # The same number of sequences overall, re-sliced if the world size changed.
+        return int(extra.get("data_position", 0)) * saved_world // self.world
+
+    def _save(self) -> None:
+        from shardwise.checkpoint import save
+
+        extra: dict[str, Any] = {
+            "step": self.step,
+            "data_position": self.batches.position,
+            "world_size": self.world,
+            "history": self.history,
+            "config": as_dict(self.cfg),
+        }
+        if self.cfg.dropout > 0:
+            states = [None] * self.world
+            dist.all_gather_object(states, torch.get_rng_state())
+            extra["rng"] = states
+        save(self.cfg.checkpoint_dir, self.model, self.optim, extra=extra, step=self.step,
+             keep=self.cfg.keep or None)
+
+    def train_step(self, lr: float) -> torch.Tensor:
+        """One optimizer step; see [Note: one training step]. Returns the mean loss (local)."""
+        accum = self.cfg.grad_accum
+        total = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            if accum > 1:
+                self.model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
+            x, y = self.batches.next(self.plan.micro_batch)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            loss = GPT.loss(self.built.logits(x), y) / accum
+            loss.backward()  # type: ignore[no-untyped-call]
+            total += loss.detach()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        for group in self.optim.param_groups:
+            group["lr"] = lr
+        self.optim.step()
+        return total
+
+
+def _log_json(path: str, record: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def _header(plan: Plan, run: _Run) -> str:
+    cfg, world = plan.cfg, plan.world
+    n_params = sum(p.numel() for p in run.model.parameters())
+    strategy = {"full": "full shard (ZeRO-3)", "shard-grad-op": "shard grad op (ZeRO-2)",
+                "hybrid": f"hybrid: shard over {cfg.shard_size}, replicate x {world.size // max(1, cfg.shard_size)}"}
+    extras = [cfg.precision] + (["CPU offload"] if cfg.offload else []) + (
+        ["activation checkpointing"] if cfg.activation_checkpointing else [])
+    groups = f"{len(run.built.blocks)} blocks + root" if cfg.wrap == "blocks" else "one group"
+    tokens = cfg.batch_size * cfg.seq_len
+    lines = [
+        f"shardwise train: {world.size} ranks ({'nccl' if plan.device_type == 'cuda' else 'gloo'}, "
+        f"{plan.device_type}), {strategy[cfg.strategy]}, {', '.join(extras)}",
+        f"  model  {run.built.description}, {n_params / 1e6:.2f}M params, {groups}",
+        f"  data   {plan.source.description}: {plan.source.length:,} tokens, one slice per rank",
+        f"  batch  {cfg.batch_size} x {cfg.seq_len} = {tokens:,} tokens/step ({plan.micro_batch} per rank x "
+        f"{cfg.grad_accum} micro-step{'s' if cfg.grad_accum > 1 else ''})",
+        f"  optim  AdamW, lr {cfg.lr:g} ({cfg.warmup_steps} warm-up, cosine to {cfg.min_lr:g}), "
+        f"{cfg.steps} steps" + (f", clip {cfg.grad_clip:g}" if cfg.grad_clip else ""),
+    ]
+    if plan.resume_from is not None:
+        lines.append(f"  resume {plan.resume_from} (step {run.step})")
+    return "\n".join(lines)
+
+
+def train(plan: Plan, rank: int, device: torch.device) -> None:
+    """Run ``plan``'s training as rank ``rank`` of the default process group,
+    which must be initialised already (``run_rank`` does that; a program that
+    manages its own process group may call this directly).
+
+    Args:
+        plan: from ``shardwise.train.preflight``, for this world size.
+        rank: this process's rank.
+        device: the compute device.
+    """
+    cfg = plan.cfg
+    run = _Run(plan, rank, device)
+    end = cfg.stop_at or cfg.steps
+    lead = rank == 0
+    if lead:
+        print(_header(plan, run), flush=True)
+    every = cfg.log_every or max(1, cfg.steps // 20)
+    progress = Progress(end, first=run.step + 1, every=every) if lead else None
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    first_loss = run.history[0]["loss"] if run.history else float("nan")
+    held = full = 0
+    timed_start = timed_steps = 0.0
+    window: list[float] = []
+    start = time.perf_counter()
+    while run.step < end:
+        run.step += 1
+        t0 = time.perf_counter()
+        lr = learning_rate(run.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps)
+        loss = run.train_step(lr)
+        if run.step == end:
+            held, full = state_bytes(run.model, run.optim)
+        run.optim.zero_grad(set_to_none=True)
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        value = loss.item() / run.world
+        dt = time.perf_counter() - t0
+        if timed_start == 0.0:  # the first step warms up (lazy init, allocator): time the rest
+            timed_start = time.perf_counter()
+        else:
+            timed_steps += 1
+        window = (window + [dt])[-10:]
+        rate = tokens_per_step * len(window) / sum(window)
+        memory = current_memory(device)
+        if math.isnan(first_loss):
+            first_loss = value
+        record = {"step": run.step, "loss": value, "lr": lr, "tokens_per_s": rate, "memory": memory}
+        run.history.append({k: float(v) for k, v in record.items()})
+        if lead:
+            if cfg.metrics:
+                _log_json(cfg.metrics, record)
+            if progress is not None:
+                progress.update(run.step, value, rate, memory, lr)
+        if (cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0) or (
+            run.step == end and (cfg.checkpoint_every or cfg.stop_at)
+        ):
+            if progress is not None and progress.live:
+                progress.close()
+            run._save()
+    if progress is not None:
+        progress.close()
+    elapsed = time.perf_counter() - start
+    throughput = tokens_per_step * timed_steps / (time.perf_counter() - timed_start) if timed_steps else 0.0
+    if cfg.export and end == cfg.steps:
+        from shardwise.checkpoint import export
+
+        Path(cfg.export).parent.mkdir(parents=True, exist_ok=True)
+        export(cfg.export, run.model, metadata={"config": json.dumps(as_dict(cfg))})
+    stats = [None] * run.world
+    dist.all_gather_object(stats, RankStats(rank, held, full, peak_memory(device)))
+    if not lead:
+        return
+    tail = [h["loss"] for h in run.history[-10:]]
+    last = sum(tail) / len(tail) if tail else float("nan")
+    print(f"\ndone: steps {run.history[0]['step']:.0f}..{run.step} of {cfg.steps} in {fmt_duration(elapsed)}"
+          f" | loss {first_loss:.4f} -> {last:.4f} (mean of the last {len(tail)} steps) | {throughput:,.0f} tok/s "
+          f"({run.world} ranks)")
+    planned, _ = estimates(plan)
+    per_rank = [planned[r % len(planned)] for r in range(run.world)]
+    print(summary_table(stats, per_rank, device))  # type: ignore[arg-type]
+    if stats and stats[0] is not None:
+        s0 = stats[0]
+        print(f"model state = params + grads + AdamW state; each rank holds {s0.held / max(1, s0.unsharded):.0%} of "
+              f"an unsharded copy ({fmt_bytes(s0.unsharded)}); 'planned' is shardwise.planner's estimate")
+    if end < cfg.steps:
+        print(f"stopped at step {end} (stop_at); continue with --resume from {cfg.checkpoint_dir}")
+    elif cfg.checkpoint_every:
+        print(f"checkpoints: {cfg.checkpoint_dir}")
+    if cfg.export and end == cfg.steps:
+        print(f"exported the unsharded model to {cfg.export} (safetensors)")
+    if cfg.plot:
+        steps = [h["step"] for h in run.history]
+        how = write_plot(cfg.plot, [Panel("loss", steps, [h["loss"] for h in run.history]),
+                                    Panel("memory MiB (rank 0)", steps, [h["memory"] / 2**20 for h in run.history])])
+        print(f"plot: {cfg.plot} ({how})")
+
+
+def run_rank(rank: int, world_size: int, plan: Plan, port: int | None) -> None:
+    """The body of every rank: spawned locally (``port``: the launcher's TCP
+    store), or under torchrun (``None``: torchrun's environment)."""
+    cuda = plan.device_type == "cuda"
+    if cuda:
+        device = torch.device("cuda", plan.world.local_rank if plan.world.torchrun else rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if not plan.world.torchrun:
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    backend = "nccl" if cuda else "gloo"
+    if port is not None:
+        # a crash in native code shows this rank's Python stack (spawned ranks are ours)
+        faulthandler.enable()
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(minutes=10))  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(backend)
+    try:
+        train(plan, rank, device)
+        dist.barrier()  # leave together
+    finally:
+        dist.destroy_process_group()
+

@@ -1,0 +1,112 @@
+"""Training data: per-rank slices, the deterministic window order and its
+position, the three sources (text files, uint16 .bin, Python's own text)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shardwise.errors import ConfigError
+from shardwise.train.data import STDLIB_CORPUS_BYTES, Batches, open_source, slice_bounds
+
+
+@pytest.mark.parametrize("length", [0, 1, 10, 101])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_slices_partition_the_stream(length, world):
+    bounds = [slice_bounds(length, world, r) for r in range(world)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [e - s for s, e in bounds]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def _text(tmp_path, n=1000):
+    data = bytes(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).to(torch.uint8).tolist())
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_bytes(data[:n // 2])
+    (tmp_path / "d" / "b.txt").write_bytes(data[n // 2 : n])
+    (tmp_path / "d" / ".hidden").write_bytes(b"x" * 50)
+    return data[:n]
+
+
+def test_text_files_are_one_byte_stream_read_by_range(tmp_path):
+    data = _text(tmp_path)
+    source = open_source([str(tmp_path / "d")])
+    assert source.length == len(data) and source.vocab_size == 256
+    assert source.read(490, 520).tolist() == list(data[490:520])  # across the file boundary
+    assert source.read(990, 5000).tolist() == list(data[990:])
+
+
+def test_each_rank_reads_only_its_slice_in_a_seeded_order(tmp_path):
+    data = torch.tensor(list(_text(tmp_path)))
+    source = open_source([str(tmp_path / "d")])
+    seq = 16
+    seen = []
+    for rank in range(2):
+        batches = Batches(source, seq, 2, rank, seed=3)
+        start, end = slice_bounds(len(data), 2, rank)
+        assert batches.num_windows == (end - start - 1) // seq
+        starts = set()
+        for i in range(batches.num_windows):
+            w = batches.window(i)
+            # find where it lies: it must be inside this rank's slice, on the seq_len grid
+            offset = next(o for o in range(start, end - seq) if torch.equal(data[o : o + seq + 1], w)
+                          and (o - start) % seq == 0)
+            starts.add(offset)
+        assert len(starts) == batches.num_windows  # one epoch = every window once
+        seen.append(starts)
+    assert not seen[0] & seen[1]
+    # same seed -> same order; another seed -> another order
+    a, b, c = (Batches(source, seq, 2, 0, seed=s) for s in (3, 3, 4))
+    assert torch.equal(a.next(4)[0], b.next(4)[0]) and not torch.equal(a.next(4)[0], c.next(8)[0][4:])
+
+
+def test_position_is_the_whole_state(tmp_path):
+    _text(tmp_path, 4000)
+    source = open_source([str(tmp_path / "d")])
+    straight = Batches(source, 8, 2, 1, seed=0)
+    batches = [straight.next(5) for _ in range(60)]  # several epochs (~249 windows each)
+    resumed = Batches(source, 8, 2, 1, seed=0, position=5 * 40)
+    for x, y in batches[40:]:
+        rx, ry = resumed.next(5)
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+    assert torch.equal(x[:, 1:], y[:, :-1]) and x.dtype == torch.int64 and x.shape == (5, 8)
+
+
+def test_uint16_bin_like_nanogpt(tmp_path):
+    ids = (np.arange(5000) * 37 % 50257).astype(np.uint16)
+    path = tmp_path / "train.bin"
+    ids.tofile(path)
+    source = open_source([str(path)])
+    assert source.length == 5000 and source.is_bin
+    assert source.vocab_size == 50304  # largest id + 1 (50257), rounded up to 64
+    assert source.read(100, 110).tolist() == ids[100:110].astype(int).tolist()
+    x, y = Batches(source, 32, 4, 2, seed=0).next(3)
+    assert x.max() < 50257 and torch.equal(x[:, 1:], y[:, :-1])
+    assert open_source([str(path)], scan_vocab=False).vocab_size == 65536
+
+
+def test_bad_data_is_reported(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        open_source([str(tmp_path / "missing.txt")])
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"abc")
+    with pytest.raises(ConfigError, match="3 bytes: a .bin must hold uint16"):
+        open_source([str(odd)])
+    (tmp_path / "t.txt").write_bytes(b"hi")
+    with pytest.raises(ConfigError, match="mixes a .bin"):
+        open_source([str(odd), str(tmp_path / "t.txt")])
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ConfigError, match="holds no bytes"):
+        open_source([str(empty)])
+    with pytest.raises(ConfigError, match="fewer than seq_len"):
+        Batches(open_source([str(tmp_path / "t.txt")]), 8, 1, 0, seed=0)
+
+
+def test_default_corpus_is_pythons_own_text():
+    source = open_source([])
+    assert source.length == STDLIB_CORPUS_BYTES and "stdlib" in source.description
+    head = bytes(source.read(0, 2000).tolist()).decode("utf-8", "replace")
+    assert "topics" in head or "docstring" in head.lower() or "def " in head or '"""' in head
