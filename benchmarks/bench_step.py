@@ -153,10 +153,8 @@ def count_all_gather_bytes() -> None:
     dist.all_gather_single = counting
     try:  # shardwise binds its collective at import
         import shardwise.comm
-        import shardwise.compression
 
         shardwise.comm._all_gather = counting
-        shardwise.compression._all_gather = counting
     except ImportError:
         pass
 

@@ -73,6 +73,13 @@ class ReduceScatter(Comm):
         """Issue the reduce-scatter; return a work handle when ``async_op``."""
 
 
+def all_gather_tensor(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> WorkHandle | None:
+    """``torch.distributed``'s all-gather into one tensor, under its current name."""
+    return cast("WorkHandle | None", _all_gather(output_tensor, input_tensor, group=group, async_op=async_op))
+
+
 class DefaultAllGather(AllGather):
     """A fresh buffer per call from the normal allocator; ``all_gather_into_tensor``."""
 
@@ -88,7 +95,7 @@ class DefaultAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> WorkHandle | None:
-        return cast("WorkHandle | None", _all_gather(output_tensor, input_tensor, group=group, async_op=async_op))
+        return all_gather_tensor(output_tensor, input_tensor, group, async_op)
 
 
 class DefaultReduceScatter(ReduceScatter):

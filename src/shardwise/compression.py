@@ -15,12 +15,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from shardwise import comm
 from shardwise.comm import AllGather, WorkHandle
 
 __all__ = ["QuantizedAllGather"]
-
-# torch >= 2.13 names it all_gather_single; older releases only have the old name.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Deferred:
@@ -80,7 +78,7 @@ class QuantizedAllGather(AllGather):
         gathered = torch.empty(num_ranks * packed.numel(), dtype=torch.uint8, device=packed.device)
         self.bytes_sent += packed.numel() * num_ranks
         self.bytes_uncompressed += numel * input_tensor.element_size() * num_ranks
-        work: WorkHandle | None = _all_gather(gathered, packed, group=group, async_op=True)
+        work = comm.all_gather_tensor(gathered, packed, group, async_op=True)
 
         def finish() -> None:
             rows = gathered.view(num_ranks, -1)

@@ -186,17 +186,20 @@ class ShardedParam:
             # Keep the same Parameter object (optimizers may already hold it).
             self.sharded_param._local_tensor = local
         else:
-            with torch.no_grad():
-                dt = DTensor.from_local(
-                    local,
-                    self.info.mesh,
-                    self.info.placements(self.shard_dim),
-                    run_check=False,
-                    shape=self.full_shape,
-                    stride=_contiguous_stride(self.full_shape),
-                )
-            self.sharded_param = nn.Parameter(dt, requires_grad=self._initial_requires_grad)
+            self.sharded_param = nn.Parameter(self._as_dtensor(local), requires_grad=self._initial_requires_grad)
         self.register_sharded()
+
+    def _as_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap this rank's (unpadded) chunk as a DTensor of the full shape."""
+        with torch.no_grad():
+            return DTensor.from_local(
+                local,
+                self.info.mesh,
+                self.info.placements(self.shard_dim),
+                run_check=False,
+                shape=self.full_shape,
+                stride=_contiguous_stride(self.full_shape),
+            )
 
     def local_is_adopted(self) -> bool:
         """Whether the registered DTensor still views ``sharded_data`` (false after
@@ -277,14 +280,7 @@ class ShardedParam:
             local.add_(grad_shard)
             return
         with torch.no_grad():
-            grad = DTensor.from_local(
-                grad_shard,
-                self.info.mesh,
-                self.info.placements(self.shard_dim),
-                run_check=False,
-                shape=self.full_shape,
-                stride=_contiguous_stride(self.full_shape),
-            )
+            grad = self._as_dtensor(grad_shard)
             if grad.dtype == self.sharded_param.dtype:
                 self.sharded_param.grad = grad
             else:
