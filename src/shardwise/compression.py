@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise import comm
+import shardwise.comm as comm
 from shardwise.comm import AllGather, WorkHandle
 
 __all__ = ["QuantizedAllGather"]
