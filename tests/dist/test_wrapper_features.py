@@ -451,9 +451,62 @@ def test_comm_hook_errors():
     w.register_comm_hook(default_hooks.DefaultState(w.process_group), default_hooks.reduce_scatter_hook)
     with pytest.raises(ValueError, match="already registered"):
         w.register_comm_hook(default_hooks.DefaultState(w.process_group), default_hooks.reduce_scatter_hook)
-    no_shard = _wrap_gpt(_gpt()[0], sharding_strategy=shardwise.ShardingStrategy.NO_SHARD)
-    with pytest.raises(ValueError, match="NO_SHARD"):
-        no_shard.register_comm_hook(None, default_hooks.allreduce_hook)
+    hybrid_free = _wrap_gpt(_gpt()[0], sharding_strategy=shardwise.ShardingStrategy.NO_SHARD)
+    hybrid_free.register_comm_hook(default_hooks.DefaultState(hybrid_free.process_group), default_hooks.allreduce_hook)
+
+
+@pytest.mark.parametrize("hook_name", ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"])
+@multi_rank(world_sizes=(2,))
+def test_no_shard_comm_hooks_from_pytorch(hook_name):
+    """NO_SHARD hooks (hook(state, grad), an all-reduce) run as the engine's
+    replicate all-reduce: allreduce_hook trains exactly like the reference;
+    the compressing hooks give its gradients up to half precision."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    import shardwise
+    from shardwise.compat.comm_hooks import CommHookAllReduce
+    from shardwise.models import GPT, synthetic_batch
+    from shardwise.testing import full_tensor, replicate_grads
+    from shardwise.testing.training import parity_train
+
+    model, cfg = _gpt()
+    hook = getattr(default_hooks, hook_name)
+    state_cls = default_hooks.DefaultState if hook_name == "allreduce_hook" else default_hooks.LowPrecisionState
+    calls = []
+
+    def shard(m):
+        w = _wrap_gpt(m, sharding_strategy=shardwise.ShardingStrategy.NO_SHARD)
+        w.register_comm_hook(state_cls(w.process_group), hook)
+        return w
+
+    orig = CommHookAllReduce.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.hook)
+        return orig(self, *args, **kwargs)
+
+    CommHookAllReduce.__call__ = counted
+    try:
+        if hook_name == "allreduce_hook":
+            parity_train(
+                lambda: copy.deepcopy(model), shard, lambda s, r: synthetic_batch(cfg, 3, seed=s, rank=r),
+                GPT.loss, steps=2,
+            )
+        else:
+            ref = copy.deepcopy(model)
+            w = shard(model)
+            for m in (w, ref):
+                _loss(m, cfg).backward()
+            replicate_grads(ref)
+            exact = True
+            for (name, p), q in zip(w.named_parameters(), ref.parameters()):
+                got = full_tensor(p.grad)
+                torch.testing.assert_close(got, q.grad, rtol=2e-2, atol=2e-2 * float(q.grad.abs().max()), msg=name)
+                exact = exact and torch.equal(got, q.grad)
+            assert not exact
+    finally:
+        CommHookAllReduce.__call__ = orig
+    assert calls and set(calls) == {hook}
 
 
 # ---- module surface and errors ----------------------------------------------------------------

@@ -235,14 +235,14 @@ def test_groups_per_strategy():
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    for strategy, kwargs, size in [
-        ("FULL_SHARD", {}, 4),
-        ("HYBRID_SHARD", {"device_mesh": mesh}, 2),
-        ("_HYBRID_SHARD_ZERO2", {"device_mesh": mesh}, 2),
-        ("NO_SHARD", {}, 1),
+    for strategy, kwargs, size, group_size in [
+        ("FULL_SHARD", {}, 4, 4),
+        ("HYBRID_SHARD", {"device_mesh": mesh}, 2, 2),
+        ("_HYBRID_SHARD_ZERO2", {"device_mesh": mesh}, 2, 2),
+        ("NO_SHARD", {}, 1, 4),  # like PyTorch: process_group is every replica
     ]:
         model, cfg = _model(strategy, **kwargs)
-        assert model.world_size == size and model.process_group.size() == size
+        assert model.world_size == group_size and model.process_group.size() == group_size
         _step(model, cfg)
         with _record() as log:
             _step(model, cfg)

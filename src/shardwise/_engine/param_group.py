@@ -147,6 +147,9 @@ class ParamGroup:
         self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        # Replaces the replicate all-reduce (HSDP / NO_SHARD), e.g. a comm hook;
+        # returns a work handle, or None once the reduction is done.
+        self.replicate_all_reduce: Callable[[torch.Tensor, dist.ProcessGroup], WorkHandle | None] | None = None
         self.post_forward_indices: list[int] = []
         self.forward_prefetch: list[ParamGroup] | None = None
         self.backward_prefetch: list[ParamGroup] | None = None
@@ -475,8 +478,14 @@ class ParamGroup:
                 if not self.requires_all_reduce:
                     self._partial = (pr.params, out)
                     return True
-                pr.all_reduce_work = dist.all_reduce(out, group=self.info.replicate_group, async_op=True)
-                return False
+                group = self.info.replicate_group
+                if self.replicate_all_reduce is not None:
+                    work = coll._guard(self.name, "all-reduce hook", lambda: self.replicate_all_reduce(out, group))  # type: ignore[misc]
+                else:
+                    work = dist.all_reduce(out, group=group, async_op=True)
+                if work is not None:
+                    pr.all_reduce_work = work
+                    return False
         _, post = self._divide_factors(out.dtype)
         if post != 1.0:
             out.div_(post)

@@ -21,7 +21,7 @@ from torch.distributed.algorithms._comm_hooks import default_hooks
 
 from shardwise.comm import ReduceScatter
 
-__all__ = ["CommHookReduceScatter"]
+__all__ = ["CommHookReduceScatter", "CommHookAllReduce"]
 
 _LOW_PRECISION = {
     default_hooks.fp16_compress_hook: torch.float16,
@@ -37,6 +37,30 @@ def _low_precision_reduce_scatter(prec: torch.dtype, state: Any, grad: torch.Ten
     out = torch.empty(output.shape, dtype=prec, device=output.device)
     default_hooks.reduce_scatter_hook(state, low, out)
     output.copy_(out.to(state.parameter_type))
+
+
+class CommHookAllReduce:
+    """Run a PyTorch FSDP ``NO_SHARD`` communication hook, ``hook(state, grad)``
+    (an in-place all-reduce of the flat gradient), as the engine's replicate
+    all-reduce (synchronously: the hook issues its own collectives)."""
+
+    def __init__(self, hook: Callable[..., Any], state: object) -> None:
+        self.hook = hook
+        self.state = state
+
+    def __call__(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        prec = _LOW_PRECISION.get(self.hook)
+        if prec is not None and tensor.device.type != "cuda":
+            # default_hooks._low_precision_hook without its CUDA-only record_stream
+            low = tensor.to(prec)
+            default_hooks.allreduce_hook(self.state, low)  # type: ignore[arg-type]
+            tensor.copy_(low)
+            return None
+        # The hook may swap .data for another dtype: hand it a copy, copy back.
+        work = tensor.clone()
+        self.hook(self.state, work)
+        tensor.copy_(work)
+        return None
 
 
 class CommHookReduceScatter(ReduceScatter):

@@ -40,7 +40,7 @@ from shardwise.policies import CPUOffloadPolicy, OffloadPolicy
 from shardwise.wrap import check_not_sharded, check_policy, plan_wrapping, post_order
 
 from . import optim_state
-from .comm_hooks import CommHookReduceScatter
+from .comm_hooks import CommHookAllReduce, CommHookReduceScatter
 from .config import (
     BackwardPrefetch,
     CPUOffload,
@@ -372,18 +372,22 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def process_group(self) -> dist.ProcessGroup:
-        """The group parameters are sharded over (for hybrid strategies, the intra-node group)."""
+        """The group parameters are sharded over (for hybrid strategies, the
+        intra-node group; for ``NO_SHARD``, as in PyTorch, all the ranks that
+        replicate the model)."""
+        if self._plan.strategy == ShardingStrategy.NO_SHARD and self._plan.replicate_group is not None:
+            return self._plan.replicate_group
         return self._plan.shard_group
 
     @property
     def rank(self) -> int:
         """This rank's index in :attr:`process_group`."""
-        return dist.get_rank(self._plan.shard_group)
+        return dist.get_rank(self.process_group)
 
     @property
     def world_size(self) -> int:
         """The size of :attr:`process_group`."""
-        return dist.get_world_size(self._plan.shard_group)
+        return dist.get_world_size(self.process_group)
 
     @property
     def compute_device(self) -> torch.device:
@@ -588,19 +592,18 @@ class FullyShardedDataParallel(nn.Module):
                     f"communication hooks are not supported for hybrid strategies "
                     f"({w._plan.strategy.name}), as in PyTorch; use FULL_SHARD or SHARD_GRAD_OP."
                 )
-            if w._plan.strategy == ShardingStrategy.NO_SHARD:
-                raise ConfigError(
-                    "communication hooks with NO_SHARD (hook(state, grad), an all-reduce) are not "
-                    "supported yet: the engine's replicate all-reduce has no hook point. Use FULL_SHARD or "
-                    "SHARD_GRAD_OP with a reduce-scatter hook."
-                )
             if w._comm_hook is not None:
                 raise ConfigError("A communication hook is already registered; register one hook, once.")
         for w in wrappers:
             w._comm_hook = hook
             group = w._group
             if group is not None:
-                group.reduce_scatter_comm = CommHookReduceScatter(hook, state)
+                if w._plan.strategy == ShardingStrategy.NO_SHARD:
+                    # hook(state, grad): the all-reduce across replicas (the
+                    # reduce-scatter runs over a group of one: a copy)
+                    group.replicate_all_reduce = CommHookAllReduce(hook, state)
+                else:
+                    group.reduce_scatter_comm = CommHookReduceScatter(hook, state)
                 group.gradient_divide_factor = 1.0  # the hook averages
 
     # ---- summon_full_params ------------------------------------------------------------
