@@ -210,6 +210,13 @@ class FSDPModule:
         gradients."""
         self._get_fsdp_state().reset_iter_state()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise AssertionError(
+            "a fully_shard-ed module cannot be deep-copied (its shards, hooks and collectives "
+            "are tied to this instance); copy the model before sharding, or save and load its "
+            "state dict."
+        )
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
         for state in states_under(self):  # type: ignore[arg-type]

@@ -104,3 +104,13 @@ def test_wrong_argument_types():
     m = fully_shard(nn.Linear(2, 2))
     _raises(ValueError, "Expects FSDPModule", m.set_modules_to_forward_prefetch, [nn.Linear(2, 2)])
     _raises(ValueError, "positive number", m.set_gradient_divide_factor, 0)
+
+
+@multi_rank(world_sizes=(2,))
+def test_deepcopy_of_a_sharded_module_is_refused():
+    import copy
+
+    from shardwise import fully_shard
+
+    m = fully_shard(nn.Linear(4, 4))
+    _raises(AssertionError, "cannot be deep-copied", copy.deepcopy, m)
