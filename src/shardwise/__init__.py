@@ -25,6 +25,7 @@ from shardwise.fully_shard import (
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    share_comm_ctx,
     summon_full_params,
 )
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -59,6 +60,7 @@ __all__ = [
     "apply_policy",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "summon_full_params",
 ]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +27,14 @@ from shardwise.mesh import (
 )
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "summon_full_params"]
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "summon_full_params",
+]
 
 # original parameter -> description of the group that manages it, to refuse a
 # parameter shared by two groups.
@@ -49,6 +57,17 @@ class UnshardHandle:
 
 class FSDPModule:
     """Mixed into the class of every module passed to ``fully_shard``."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Code that builds "another one of type(self)" (nn.Sequential slicing)
+        # gets the original class, not an FSDP class with no state.
+        mro = cls.__mro__
+        orig = mro[mro.index(FSDPModule) + 1]
+        if orig is object:
+            return super().__new__(cls)
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
 
     def _get_fsdp_state(self) -> ModuleState:
         state = state_of(self)  # type: ignore[arg-type]
@@ -118,8 +137,11 @@ class FSDPModule:
                 f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}; "
                 "a group size can only be chosen in fully_shard(reshard_after_forward=...)."
             )
-        for group in self._groups(recurse):
-            group.set_reshard_after_forward(reshard_after_forward)
+        states = states_under(self) if recurse else [self._get_fsdp_state()]  # type: ignore[arg-type]
+        for state in states:
+            state.auto_reshard_after_forward = False  # an explicit choice, also for the root
+            if state.group is not None:
+                state.group.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free full parameters after backward. Off keeps them for the
@@ -155,15 +177,78 @@ class FSDPModule:
         _set_prefetch(self, modules, "backward_prefetch")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
+        """Divide this module's reduced gradients by ``factor`` instead of the
+        data-parallel size (this module only, not the ones below it)."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ConfigError(f"gradient divide factor must be a positive number, got {factor!r}.")
-        for group in self._groups(recurse=True):
+        for group in self._groups(recurse=False):  # this module only, as PyTorch
             group.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Old name of :meth:`set_gradient_divide_factor`."""
         self.set_gradient_divide_factor(factor)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Reduce zero gradients for trainable parameters that got none in this
+        backward, so ranks whose control flow used different parameters (MoE,
+        multi-modal) still issue matching reduce-scatters (like DDP's
+        ``find_unused_parameters``); those parameters then get a ``.grad``.
+
+        Args:
+            reduce_scatter_unused_params: the new setting.
+            recurse: also for every FSDP module below. (Default: ``True``)
+        """
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many gradient reduce-scatters may be in flight while backward goes
+        on (the memory <-> overlap dial). (Default: ``1``)
+
+        Args:
+            max_input_buffers: at least 1.
+            recurse: also for every FSDP module below. (Default: ``True``)
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for group in self._groups(recurse):
+            group.max_pending_reductions = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run gradient reduce-scatters on their own process group (over the same
+        ranks) so they can progress alongside all-gathers. Collective: call it
+        on every rank of the mesh alike.
+
+        Args:
+            enable: ``True`` gives reduce-scatters their own group; ``False`` goes
+                back to the shard group. (Default: ``True``)
+            recurse: also for every FSDP module below. (Default: ``True``)
+        """
+        for group in self._groups(recurse):
+            group.set_separate_reduce_scatter_group(bool(enable))
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for compatibility. shardwise takes every communication buffer
+        from the module's ``Comm`` (see :meth:`set_custom_all_gather`); install a
+        custom one to choose the allocator. Warns when enabled."""
+        if enable:
+            warnings.warn(
+                "set_allocate_memory_from_process_group_for_comm has no effect in shardwise: "
+                "buffers come from the module's Comm.allocate; install a custom AllGather / "
+                "ReduceScatter to allocate from another pool.",
+                stacklevel=2,
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted for compatibility; has no effect (warns): shardwise does not
+        allocate from symmetric memory. A custom ``AllGather`` can."""
+        warnings.warn(
+            f"set_symm_mem_for_comm({backend!r}) has no effect in shardwise; install a custom "
+            "AllGather whose allocate() uses symmetric memory instead.",
+            stacklevel=2,
+        )
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for compatibility: shardwise always reduces with SUM and
@@ -218,6 +303,8 @@ class FSDPModule:
         )
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # Convert the shards, not a temporary full copy (e.g. the root's after forward).
+        self.reshard()
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
         for state in states_under(self):  # type: ignore[arg-type]
             if state.group is not None:
@@ -238,6 +325,15 @@ def _set_prefetch(module: FSDPModule, modules: list[FSDPModule], attr: str) -> N
     group = module._get_fsdp_state().group
     if group is not None:
         setattr(group, attr, groups)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Accepted for compatibility with PyTorch (sharing CUDA streams between
+    roots, e.g. pipeline stages): shardwise owns no streams (collectives run on
+    the process group's), so there is nothing to share. Validates its input."""
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ConfigError(f"Expects list of FSDPModules but got {m}")
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -351,7 +447,8 @@ def fully_shard(
     auto = reshard_after_forward is None
     raf = resolve_reshard_after_forward(True if auto else reshard_after_forward, info)
     ignored = _check_ignored(ignored_params)
-    collected = _collect_params(modules, ignored)
+    conflicts: list[str] = []
+    collected = _collect_params(modules, ignored, conflicts)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     storage_device = torch.device("cpu") if offload else info.device
     params = _make_sharded_params(collected, info, shard_placement_fn, storage_device)
@@ -365,7 +462,9 @@ def fully_shard(
         group = ParamGroup(params, modules, info, info.device, mp_policy, raf, storage_device, desc, pin)
     for orig, *_ in collected:
         _OWNED[orig] = desc
-    ModuleState(modules, group, mp_policy, auto, info.device)
+    state = ModuleState(modules, group, mp_policy, auto, info.device)
+    if conflicts:
+        state.deferred_error = conflicts[0]
     for m in modules:
         cls = type(m)
         fsdp_cls = _FSDP_CLASSES.get(cls)
@@ -414,9 +513,12 @@ def _check_ignored(ignored_params: Any) -> set[int]:
 Collected = tuple[nn.Parameter, list[tuple[nn.Module, str]], str]
 
 
-def _collect_params(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[Collected]:
+def _collect_params(
+    modules: tuple[nn.Module, ...], ignored: set[int], conflicts: list[str]
+) -> list[Collected]:
     """Parameters of ``modules`` not owned by a nested fully_shard, with every
-    place each is registered; validated before anything is changed."""
+    place each is registered; validated before anything is changed. Parameters
+    that another group already manages are described in ``conflicts``."""
     found: dict[int, Collected] = {}
     seen_modules: set[int] = set()
 
@@ -440,11 +542,13 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[C
                 )
             owner = _OWNED.get(p)  # type: ignore[no-untyped-call]
             if owner is not None:
-                raise ConfigError(
+                # Left unmanaged here; reported at the first forward, as PyTorch does.
+                conflicts.append(
                     f"parameter {fqn!r} is shared with another fully_shard group ({owner}); a "
                     "parameter must belong to one group. Put all modules that use it in one "
                     "group: fully_shard([module_a, module_b]), or shard only their common parent."
                 )
+                continue
             if p.ndim == 0:
                 raise ConfigError(
                     f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor "

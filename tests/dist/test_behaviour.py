@@ -326,8 +326,12 @@ def test_reshard_after_backward_false_keeps_params_for_next_forward():
 
 @multi_rank(world_sizes=(2,))
 def test_gradient_divide_factor_and_all_reduce_hook():
+    from shardwise import FSDPModule
+
     model, ref = _pair(Stack, _shard_stack)
-    model.set_gradient_divide_factor(1.0)  # sum instead of mean
+    for m in model.modules():  # the factor is per module, as in PyTorch
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # sum instead of mean
     seen = []
 
     def hook(t):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -64,17 +66,24 @@ def test_requires_all_reduce_off_accumulates_until_on():
 
 
 @multi_rank(world_sizes=(2,))
-def test_is_last_backward_defers_waiting_for_reductions():
+def test_gradients_installed_after_every_backward_last_or_not():
+    """As PyTorch on CPU: set_is_last_backward(False) (microbatching) still ends
+    each backward with every reduced gradient installed (and accumulated)."""
     model, ref = _pair()
     model.set_is_last_backward(False)
     model(_ids(0)).backward()
-    assert model._get_fsdp_state().ctx.pending, "reductions stay pending until the last backward"
-    model.set_is_last_backward(True)
-    model(_ids(1)).backward()
     assert not model._get_fsdp_state().ctx.pending
     ref(_ids(0)).backward()
+    replicate_grads(ref)
+    assert_models_match(model, ref)
+    model.set_is_last_backward(True)
+    model(_ids(1)).backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref.zero_grad()
     ref(_ids(1)).backward()
     replicate_grads(ref)
+    for n, p in ref.named_parameters():
+        p.grad += ref_grads[n]
     assert_models_match(model, ref)
 
 
@@ -136,3 +145,75 @@ def test_post_optim_event_and_reset_iter_state():
     ref(_ids(6)).backward()
     replicate_grads(ref)
     assert_models_match(model, ref)
+
+
+class Branchy(nn.Module):
+    """Rank-dependent control flow: rank 0 uses layer a, rank 1 layer b."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.shared(x)
+        return (self.a(x) if dist.get_rank() == 0 else self.b(x)).sum()
+
+
+@multi_rank(world_sizes=(2,))
+def test_reduce_scatter_unused_params_for_rank_dependent_control_flow():
+    from shardwise import fully_shard
+
+    torch.manual_seed(0)
+    ref = Branchy()
+    model = copy.deepcopy(ref)
+    fully_shard(model)
+    model.set_reduce_scatter_unused_params(True)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).backward()
+    ref(x).backward()
+    for p in ref.parameters():  # the reference: unused parameters contribute zeros
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    replicate_grads(ref)
+    assert_models_match(model, ref)
+    assert model.a.weight.grad is not None and model.b.weight.grad is not None
+
+
+@multi_rank(world_sizes=(2,))
+def test_separate_reduce_scatter_group_and_in_flight_cap():
+    model, ref = _pair()
+    model.set_separate_reduce_scatter_group(True)
+    model.set_reduce_scatter_max_input_buffers(2)
+    groups = {s.group._reduce_scatter_group for s in _states(model) if s.group is not None}
+    assert None not in groups
+    for step in range(2):
+        model(_ids(step)).backward()
+        ref(_ids(step)).backward()
+    replicate_grads(ref)
+    assert_models_match(model, ref)
+    with pytest.raises(TypeError, match="must be an int"):
+        model.set_reduce_scatter_max_input_buffers(True)
+    with pytest.raises(ValueError, match="positive int"):
+        model.set_reduce_scatter_max_input_buffers(0)
+
+
+@multi_rank(world_sizes=(2,))
+def test_compatibility_methods_that_do_nothing_say_so():
+    from shardwise import share_comm_ctx
+
+    model, _ = _pair()
+    with pytest.warns(UserWarning, match="no effect"):
+        model.set_allocate_memory_from_process_group_for_comm(True)
+    with pytest.warns(UserWarning, match="no effect"):
+        model.set_symm_mem_for_comm()
+    share_comm_ctx([model, model.layers[0]])
+    with pytest.raises(ValueError, match="Expects list of FSDPModules"):
+        share_comm_ctx([nn.Linear(2, 2)])
+
+
+def _states(model):
+    from shardwise._engine.module_state import states_under
+
+    return states_under(model)

@@ -100,6 +100,7 @@ def test_public_names_are_exact():
             "apply_policy",
             "fully_shard",
             "register_fsdp_forward_method",
+            "share_comm_ctx",
             "summon_full_params",
         ]
     )
@@ -159,7 +160,10 @@ def test_fsdp_module_methods_match_pytorch_signatures():
         "set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch",
         "set_reduce_scatter_divide_factor", "set_gradient_divide_factor", "set_unshard_in_backward",
         "set_all_reduce_hook", "set_post_optim_event", "set_custom_all_gather",
-        "set_custom_reduce_scatter", "reset_iter_state",
+        "set_custom_reduce_scatter", "reset_iter_state", "set_reduce_scatter_unused_params",
+        "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
+        "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm",
+        "set_force_sum_reduction_for_comms",
     ]:
         ours = inspect.signature(getattr(FSDPModule, name))
         theirs = inspect.signature(getattr(TorchFSDPModule, name))

@@ -13,7 +13,9 @@ root's final callback, queued at the first pre-backward of each backward.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from shardwise.policies import MixedPrecisionPolicy
 
@@ -49,13 +51,42 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor in ``obj``, looking inside tuples,
+    namedtuples, lists, dicts and dataclasses (as PyTorch's FSDP does)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(fn, x) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, x) for x in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
+    return obj
+
+
+def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def visit(t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad:
+            found.append(t)
+        return t
+
+    map_tensors(visit, obj)
+    return found
+
+
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.dtype != dtype:
             return x.to(dtype)
         return x
 
-    return tree_map(cast, tree)
+    return map_tensors(cast, tree)
 
 
 class ModuleState:
@@ -75,6 +106,8 @@ class ModuleState:
         self.device = device
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None  # decided at the first forward
+        # A misuse found by fully_shard that PyTorch reports at the first forward.
+        self.deferred_error: str | None = None
         self.ctx = group.ctx if group is not None else IterationContext()
         self.name = type(modules[0]).__name__
         # For a list of modules: those whose forward has not finished yet.
@@ -99,6 +132,12 @@ class ModuleState:
         """Make this state the root of every state in its modules' subtrees."""
         if self.is_root is not None:
             return
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                "FSDP requires a single root module: the first forward ran through a module "
+                f"sharded together with others ({len(self.modules)} modules in one fully_shard call). "
+                "Apply fully_shard to their common parent and run forward through it."
+            )
         self.is_root = True
         # Keep the root's own context: settings made before the first forward
         # (set_is_last_backward, set_post_optim_event) must survive.
@@ -114,8 +153,19 @@ class ModuleState:
                 seen.add(id(state))
                 states.append(state)
                 if state is not self:
+                    if state.is_root:
+                        self.is_root = None
+                        raise RuntimeError(
+                            f"FSDP requires running forward through the root module first: "
+                            f"{name} ({state.name}) ran forward on its own before its parent "
+                            f"{self.name}. Run the whole model's forward first."
+                        )
                     state.is_root = False
                     state.name = name or state.name
+        for state in states:
+            if state.deferred_error is not None:
+                self.is_root = None
+                raise ValueError(state.deferred_error)
         ctx.states = states
         for state in states:
             state.ctx = ctx
@@ -162,7 +212,7 @@ class ModuleState:
             if self.mp.output_dtype is not None:
                 output = _cast_floats(output, self.mp.output_dtype)
             if torch.is_grad_enabled():
-                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                tensors = _tensors_requiring_grad(output)
                 if tensors:
                     register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
             if self.is_root:
@@ -188,14 +238,11 @@ class ModuleState:
                 group.reshard()  # prefetched for a forward that did not come
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
+        inputs = _tensors_requiring_grad((args, kwargs))
+        if not inputs:
             return args, kwargs
-        outs = _PostBackward.apply(self, *[flat[i] for i in idx])  # type: ignore[no-untyped-call]
-        for i, t in zip(idx, outs):
-            flat[i] = t
-        new_args, new_kwargs = tree_unflatten(flat, spec)
+        outs = iter(_PostBackward.apply(self, *inputs))  # type: ignore[no-untyped-call]
+        new_args, new_kwargs = map_tensors(lambda t: next(outs) if t.requires_grad else t, (args, kwargs))
         return new_args, new_kwargs
 
     # ---- backward -------------------------------------------------------------
@@ -220,8 +267,10 @@ class ModuleState:
                 for state in ctx.states:
                     if state.group is not None:
                         state.group.finalize_backward()
-                if ctx.is_last_backward:
-                    ctx.drain(keep=0)
+                # Gradients are installed at the end of every backward; the last
+                # one (set_is_last_backward) is where PyTorch waits on streams,
+                # which shardwise's async work handles make unnecessary.
+                ctx.drain(keep=0)
             finally:
                 ctx.post_forward_order.clear()
                 ctx.final_callback_queued = False
@@ -229,6 +278,11 @@ class ModuleState:
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward/backward: finish collectives,
         reshard, drop this iteration's trackers and pending gradients."""
+        if self.is_root is False:
+            raise RuntimeError(
+                f"reset_iter_state() must be called on the root FSDP module (the one the model's "
+                f"forward runs through), not on {self.name}."
+            )
         ctx = self.ctx
         for state in ctx.states or [self]:
             group = state.group

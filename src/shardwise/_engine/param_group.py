@@ -160,6 +160,12 @@ class ParamGroup:
         self._backward_targets: list[ParamGroup] = []
         # Leave reduced gradients in the reduction dtype instead of upcasting.
         self.keep_low_precision_grads = False
+        # Reduce zeros for trainable parameters without a gradient this backward.
+        self.reduce_scatter_unused_params = False
+        # Reduce-scatters allowed in flight while backward continues.
+        self.max_pending_reductions = 1
+        # A process group of its own for reduce-scatters (None: the shard group).
+        self._reduce_scatter_group: dist.ProcessGroup | None = None
         # HSDP with all-reduce off: reduce-scattered sums awaiting their all-reduce.
         self._partial: tuple[list[ShardedParam], torch.Tensor] | None = None
         self._post_forward_data: torch.Tensor | None = None
@@ -182,6 +188,16 @@ class ParamGroup:
                 p.post_forward_layout = ShardLayout.make(
                     p.full_shape, p.shard_dim, value, self.subgroup.rank
                 )
+
+    def set_separate_reduce_scatter_group(self, enable: bool) -> None:
+        """Give reduce-scatters a process group of their own over the shard ranks
+        (collective: every rank of the mesh must call it alike)."""
+        if not enable:
+            self._reduce_scatter_group = None
+            return
+        if self._reduce_scatter_group is None:
+            ranks = dist.get_process_group_ranks(self.info.shard_group)
+            self._reduce_scatter_group = dist.new_group(ranks, use_local_synchronization=True)
 
     @property
     def orig_dtype(self) -> torch.dtype:
@@ -429,6 +445,8 @@ class ParamGroup:
                 if acc is not None:
                     grad = acc if grad is None else acc.add_(grad)
                     p.unsharded_accumulated_grad = None
+                if grad is None and self.reduce_scatter_unused_params:
+                    grad = torch.zeros(p.full_shape, dtype=up.dtype, device=up.device)
                 if grad is None:
                     continue
                 up.grad = None
@@ -440,7 +458,7 @@ class ParamGroup:
                 self.reshard()
             self._prefetch_backward()
             if grads:
-                self.ctx.drain(keep=1)
+                self.ctx.drain(keep=self.max_pending_reductions)
                 self.ctx.pending.append(self._start_reduction(params, grads))
 
     def _divide_factors(self, dtype: torch.dtype) -> tuple[float, float]:
@@ -457,7 +475,7 @@ class ParamGroup:
         with record_function(f"shardwise::reduce_scatter ({self.name})"):
             result = coll.start_reduce_scatter(
                 self.reduce_scatter_comm, grads, [p.layout for p in params],
-                self.info.shard_group, dtype, self.device, pre, self.name,
+                self._reduce_scatter_group or self.info.shard_group, dtype, self.device, pre, self.name,
             )
         return PendingReduction(self, params, result)
 

@@ -251,9 +251,12 @@ class ShardedParam:
     def ensure_unsharded(self, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
         """The unsharded parameter with storage allocated (contents undefined)."""
         p = self.unsharded_param
-        if p is None or p.dtype != dtype or p.device != device:
-            t = torch.empty(self.full_shape, dtype=dtype, device=device)
-            p = nn.Parameter(t, requires_grad=self.requires_grad)
+        if p is None or p.dtype != dtype or p.device != device or p.is_inference():
+            # Never an inference tensor, even when first gathered under
+            # torch.inference_mode(): it is reused by later training steps.
+            with torch.inference_mode(False):
+                t = torch.empty(self.full_shape, dtype=dtype, device=device)
+                p = nn.Parameter(t, requires_grad=self.requires_grad)
             self.unsharded_param = p
         else:
             alloc_storage(p)

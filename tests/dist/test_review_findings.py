@@ -1,0 +1,940 @@
+"""Behavioural differences between shardwise.fully_shard and PyTorch's
+torch.distributed.fsdp.fully_shard (FSDP2), found in review. Each test runs the
+same scenario under both and compares, or checks PyTorch's documented
+behaviour directly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+
+from shardwise.testing import multi_rank
+
+
+class Block(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.lin1 = nn.Linear(dim, dim)
+        self.lin2 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.lin2(F.relu(self.lin1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, dim=8, n=2):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n))
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _x(step=0, dim=8, n=4):
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randn(n, dim, generator=g)
+
+
+def _sw():
+    from shardwise import fully_shard
+
+    return fully_shard
+
+
+def _pt():
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard
+
+
+def _both(make=Net, **kw):
+    """(shardwise model, torch model), identically initialised and sharded."""
+    torch.manual_seed(0)
+    a = make()
+    b = copy.deepcopy(a)
+    for fs, m in ((_sw(), a), (_pt(), b)):
+        for blk in m.blocks:
+            fs(blk, **kw)
+        fs(m, **kw)
+    return a, b
+
+
+def _grads(model):
+    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def _assert_grads_equal(a, b):
+    ga, gb = _grads(a), _grads(b)
+    assert ga.keys() == gb.keys(), (sorted(ga), sorted(gb))
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], msg=k)
+
+
+def _raises(exc, fn, match=None):
+    """Name of the exception ``fn`` raised if it is an ``exc``, else what happened."""
+    try:
+        fn()
+    except exc as e:
+        if match is None or match in str(e):
+            return exc.__name__
+        return f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _param_types(model):
+    return {n: type(p).__name__ if not isinstance(p, DTensor) else "DTensor" for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------
+# set_reshard_after_forward before the first forward must win over the root's
+# automatic "keep parameters after forward" (PyTorch clears
+# _auto_reshard_after_forward in set_reshard_after_forward).
+@multi_rank(world_sizes=(2,))
+def test_set_reshard_after_forward_true_on_root_before_first_forward():
+    a, b = _both()
+    for m in (a, b):
+        m.set_reshard_after_forward(True)
+        m(_x())  # no backward: look at the registered parameters right after forward
+    pa, pb = _param_types(a), _param_types(b)
+    assert pb["inp.weight"] == "DTensor"  # PyTorch: root resharded after forward
+    assert pa == pb
+
+
+# set_gradient_divide_factor is NOT recursive in PyTorch: only this module's
+# own parameter group(s).
+@multi_rank(world_sizes=(2,))
+def test_set_gradient_divide_factor_is_not_recursive():
+    a, b = _both()
+    for m in (a, b):
+        m.set_gradient_divide_factor(1.0)  # root only: sum for root params, mean for blocks
+        if m is b:  # gloo has no PREMUL_SUM
+            for sub in m.modules():
+                if hasattr(sub, "set_force_sum_reduction_for_comms"):
+                    sub.set_force_sum_reduction_for_comms(True)
+        m(_x()).sum().backward()
+    _assert_grads_equal(a, b)
+
+
+# Forwarding a child FSDP module before the root makes PyTorch raise at the
+# root's lazy init ("requires running forward through the root module first").
+@multi_rank(world_sizes=(2,))
+def test_child_forward_before_root_raises():
+    got = {}
+    for name, fs_get in (("torch", _pt), ("shardwise", _sw)):
+        torch.manual_seed(0)
+        m = Net()
+        fs = fs_get()
+        for blk in m.blocks:
+            fs(blk)
+        fs(m)
+        m.blocks[0](_x())
+        got[name] = _raises(RuntimeError, lambda: m(_x()), "root")
+    assert got == {"torch": "RuntimeError", "shardwise": "RuntimeError"}
+
+
+# reset_iter_state on a non-root FSDP module raises RuntimeError in PyTorch.
+@multi_rank(world_sizes=(2,))
+def test_reset_iter_state_on_non_root_raises():
+    a, b = _both()
+    got = {}
+    for name, m in (("torch", b), ("shardwise", a)):
+        m(_x()).sum().backward()
+        got[name] = _raises(RuntimeError, m.blocks[0].reset_iter_state)
+    assert got == {"torch": "RuntimeError", "shardwise": "RuntimeError"}
+
+
+# Forward with parameters still on the meta device: PyTorch raises a clear
+# RuntimeError at lazy init.
+@multi_rank(world_sizes=(2,))
+def test_forward_with_meta_params_raises_runtime_error():
+    got = {}
+    for name, fs_get in (("torch", _pt), ("shardwise", _sw)):
+        with torch.device("meta"):
+            m = Net()
+        fs = fs_get()
+        for blk in m.blocks:
+            fs(blk)
+        fs(m)
+        got[name] = _raises(RuntimeError, lambda: m(_x()), "meta")
+    assert got == {"torch": "RuntimeError", "shardwise": "RuntimeError"}
+
+
+# FSDPModule methods that PyTorch's FSDPModule has (2.6+ / 2.13).
+@multi_rank(world_sizes=(2,))
+def test_fsdp_module_has_pytorch_methods():
+    a, b = _both()
+    missing = [
+        name for name in dir(type(b))
+        if not name.startswith("_") and callable(getattr(type(b), name, None))
+        and hasattr(torch.distributed.fsdp.FSDPModule, name) and not hasattr(a, name)
+    ]
+    assert missing == []
+
+
+# Slicing an FSDP-wrapped nn.Sequential: PyTorch's FSDPModule.__new__ builds the
+# original class (the slice is a plain Sequential, not an FSDP module without state).
+@multi_rank(world_sizes=(2,))
+def test_sequential_slice_is_plain_class():
+    for fs_get in (_pt, _sw):
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        fs_get()(seq)
+        sub = seq[0:2]
+        assert type(sub) is nn.Sequential, type(sub)
+
+
+def _step_both(a, b, x, loss=lambda out: out.sum()):
+    la = loss(a(x))
+    lb = loss(b(x))
+    torch.testing.assert_close(la, lb)
+    la.backward()
+    lb.backward()
+
+
+# After `set_is_last_backward(False)` PyTorch (on CPU) still installs every
+# reduced gradient by the end of backward; only stream waits are deferred.
+@multi_rank(world_sizes=(2,))
+def test_grads_visible_after_non_last_backward():
+    a, b = _both()
+    for m in (a, b):
+        m.set_is_last_backward(False)
+    _step_both(a, b, _x(0))
+    _assert_grads_equal(a, b)
+
+
+# An inference_mode forward first must not poison later training.
+@multi_rank(world_sizes=(2,))
+def test_inference_mode_forward_then_train():
+    """A forward under inference_mode, then training. (PyTorch 2.13's own
+    fully_shard fails here — "Inplace update to inference tensor outside
+    InferenceMode" — so the reference is the unsharded model.)"""
+    from shardwise.testing import replicate_grads
+
+    torch.manual_seed(0)
+    ref = Net()
+    a = copy.deepcopy(ref)
+    for blk in a.blocks:
+        _sw()(blk)
+    _sw()(a)
+    with torch.inference_mode():
+        torch.testing.assert_close(a(_x(5)), ref(_x(5)))
+    for _ in range(2):
+        _step_both(a, ref, _x(0))
+    replicate_grads(ref)
+    _assert_grads_equal(a, ref)
+
+
+# no_grad eval forward, then training; registered parameter types after eval.
+@multi_rank(world_sizes=(2,))
+def test_no_grad_eval_then_train_param_types():
+    a, b = _both()
+    for m in (a, b):
+        m.eval()
+        with torch.no_grad():
+            m(_x(5))
+        m.train()
+    assert _param_types(a) == _param_types(b)
+    _step_both(a, b, _x(0))
+    _assert_grads_equal(a, b)
+    assert _param_types(a) == _param_types(b)
+
+
+# Gradient accumulation: no sync + no reshard after backward, then a synced step.
+@multi_rank(world_sizes=(2,))
+def test_grad_accumulation_no_sync_no_reshard_matches_torch():
+    a, b = _both()
+    for m in (a, b):
+        m.set_requires_gradient_sync(False)
+        m.set_reshard_after_backward(False)
+    for i in range(2):
+        _step_both(a, b, _x(i))
+        assert _param_types(a) == _param_types(b), i
+        assert {n for n, p in a.named_parameters() if p.grad is not None} == {
+            n for n, p in b.named_parameters() if p.grad is not None}
+    for m in (a, b):
+        m.set_requires_gradient_sync(True)
+        m.set_reshard_after_backward(True)
+    _step_both(a, b, _x(2))
+    _assert_grads_equal(a, b)
+    assert _param_types(a) == _param_types(b)
+
+
+# unshard() on the root before any forward, then a normal step.
+@multi_rank(world_sizes=(2,))
+def test_unshard_root_before_first_forward():
+    a, b = _both()
+    for m in (a, b):
+        m.unshard()
+    assert _param_types(a) == _param_types(b)
+    _step_both(a, b, _x(0))
+    _assert_grads_equal(a, b)
+    assert _param_types(a) == _param_types(b)
+
+
+# A block whose forward is skipped in one iteration.
+class SkipNet(Net):
+    skip = False
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            if not (self.skip and i == 1):
+                x = b(x)
+        return self.out(x)
+
+
+@multi_rank(world_sizes=(2,))
+def test_block_skipped_in_an_iteration():
+    a, b = _both(SkipNet)
+    for it in range(3):
+        a.skip = b.skip = it == 1
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        assert _param_types(a) == _param_types(b)
+        for m in (a, b):
+            for p in m.parameters():
+                p.grad = None
+
+
+# Two separately-sharded roots used in one loss.
+@multi_rank(world_sizes=(2,))
+def test_two_roots_in_one_loss():
+    a1, b1 = _both()
+    torch.manual_seed(1)
+    a2, b2 = _both()
+    for it in range(2):
+        x = _x(it)
+        la = (a1(x) * a2(x)).sum()
+        lb = (b1(x) * b2(x)).sum()
+        torch.testing.assert_close(la, lb)
+        la.backward()
+        lb.backward()
+        _assert_grads_equal(a1, b1)
+        _assert_grads_equal(a2, b2)
+
+
+# The same block forwarded twice (shared weights), with reshard_after_forward on.
+class TwiceNet(Net):
+    def forward(self, x):
+        x = self.inp(x)
+        x = self.blocks[0](x)
+        x = self.blocks[0](x)
+        x = self.blocks[1](x)
+        return self.out(x)
+
+
+@multi_rank(world_sizes=(2,))
+def test_block_forwarded_twice():
+    a, b = _both(TwiceNet)
+    for it in range(2):
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+
+
+# Sharded parameter metadata: placements, local shapes (uneven and empty shards,
+# Shard(1)), grads' placements and local shapes.
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 5)  # weight (5, 3): 3/2 rows; bias (5,)
+        self.b = nn.Linear(5, 1)  # weight (1, 5): rank 1 empty; bias (1,)
+        self.c = nn.Linear(1, 7)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+class EvenCols(nn.Module):
+    """Weights with an even number of columns (PyTorch refuses uneven Shard(1))."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _meta(model):
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        out[n] = (tuple(p.placements), tuple(p.to_local().shape), p.to_local().stride(), tuple(p.shape),
+                  p.stride(), p.requires_grad,
+                  None if g is None else (type(g).__name__, tuple(g.placements), tuple(g.to_local().shape),
+                                          g.to_local().stride(), g.dtype))
+    return out
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@multi_rank(world_sizes=(2,))
+def test_param_and_grad_metadata_match_torch(dim):
+    torch.manual_seed(0)
+    a = Odd() if dim == 0 else EvenCols()
+    b = copy.deepcopy(a)
+    fn = (lambda p: Shard(1) if p.ndim == 2 else Shard(0)) if dim == 1 else None
+    _sw()(a, shard_placement_fn=fn)
+    _pt()(b, shard_placement_fn=fn)
+    assert _meta(a) == _meta(b)
+    x = torch.randn(4, 3 if dim == 0 else 4)
+    _step_both(a, b, x)
+    assert _meta(a) == _meta(b)
+    _assert_grads_equal(a, b)
+
+
+def _mp(**kw):
+    from torch.distributed.fsdp import MixedPrecisionPolicy as PT
+
+    from shardwise import MixedPrecisionPolicy as SW
+
+    return SW(**kw), PT(**kw)
+
+
+def _both_mp(make=Net, root_kw=None, block_kw=None):
+    """Like _both, with per-role mixed precision kwargs."""
+    torch.manual_seed(0)
+    a = make()
+    b = copy.deepcopy(a)
+    for i, (fs, m) in enumerate(((_sw(), a), (_pt(), b))):
+        for blk in m.blocks:
+            fs(blk, mp_policy=_mp(**(block_kw or {}))[i])
+        fs(m, mp_policy=_mp(**(root_kw or {}))[i])
+    return a, b
+
+
+class Probe(nn.Module):
+    """Records the dtype of what a submodule receives and returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.dtype)
+        return x
+
+
+class ProbeNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.probe = Probe()
+
+    def forward(self, x):
+        self.probe(x)
+        out = super().forward(x)
+        self.probe(out)
+        return out
+
+
+@pytest.mark.parametrize(
+    "root_kw,block_kw",
+    [
+        (dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+         dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+        (dict(param_dtype=torch.bfloat16), dict(param_dtype=torch.float16, output_dtype=torch.bfloat16)),
+        (dict(param_dtype=torch.bfloat16, output_dtype=torch.float32),
+         dict(param_dtype=torch.bfloat16, cast_forward_inputs=False)),
+        (dict(), dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)),
+    ],
+)
+@multi_rank(world_sizes=(2,))
+def test_mixed_precision_matches_torch(root_kw, block_kw):
+    a, b = _both_mp(ProbeNet, root_kw, block_kw)
+    for it in range(2):
+        oa, ob = a(_x(it)), b(_x(it))
+        assert oa.dtype == ob.dtype
+        torch.testing.assert_close(oa, ob)
+        oa.float().sum().backward()
+        ob.float().sum().backward()
+        assert a.probe.seen == b.probe.seen
+        _assert_grads_equal(a, b)
+        assert {n: p.grad.dtype for n, p in a.named_parameters()} == {n: p.grad.dtype for n, p in b.named_parameters()}
+        for m in (a, b):
+            m.zero_grad()
+
+
+# Gradient accumulation without sync under mixed precision (reduce_dtype fp32).
+@multi_rank(world_sizes=(2,))
+def test_mixed_precision_no_sync_accumulation_matches_torch():
+    kw = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    a, b = _both_mp(Net, kw, kw)
+    for i in range(3):
+        for m in (a, b):
+            m.set_requires_gradient_sync(i == 2)
+        oa, ob = a(_x(i)), b(_x(i))
+        oa.float().sum().backward()
+        ob.float().sum().backward()
+    _assert_grads_equal(a, b)
+
+
+# Inputs inside a dataclass are cast by PyTorch (_apply_to_tensors handles
+# dataclasses); torch.utils._pytree does not look inside them.
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor
+
+
+class DCNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.seen = None
+
+    def forward(self, batch):
+        self.seen = batch.x.dtype
+        return self.lin(batch.x)
+
+
+@multi_rank(world_sizes=(2,))
+def test_dataclass_inputs_are_cast():
+    torch.manual_seed(0)
+    a = DCNet()
+    b = copy.deepcopy(a)
+    mpa, mpb = _mp(param_dtype=torch.bfloat16)
+    _sw()(a, mp_policy=mpa)
+    _pt()(b, mp_policy=mpb)
+    x = _x()
+    ob = b(Batch(x.clone()))
+    got = _raises(Exception, lambda: a(Batch(x.clone())))
+    assert (got, a.seen) == ("no error", b.seen)
+
+
+# HSDP on a (2, 1) and a (1, 2) mesh against PyTorch's HSDP.
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
+@multi_rank(world_sizes=(2,))
+def test_hsdp_matches_torch(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    a, b = _both(mesh=mesh)
+    assert _meta(a) == _meta(b)
+    for it in range(2):
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        assert _meta(a) == _meta(b)
+        for m in (a, b):
+            m.zero_grad()
+
+
+# clip_grad_norm_ and fused / foreach optimizers on CPU.
+@pytest.mark.parametrize("opt", ["adam_foreach", "adamw_fused", "sgd_foreach"])
+@multi_rank(world_sizes=(2,))
+def test_optimizers_and_clip_match_torch(opt):
+    a, b = _both()
+
+    def make(m):
+        if opt == "adam_foreach":
+            return torch.optim.Adam(m.parameters(), lr=0.01, foreach=True)
+        if opt == "adamw_fused":
+            return torch.optim.AdamW(m.parameters(), lr=0.01, fused=True)
+        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, foreach=True)
+
+    oa, ob = make(a), make(b)
+    for it in range(3):
+        _step_both(a, b, _x(it))
+        na = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.5)
+        nb = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.5)
+        assert type(na) is type(nb)
+        torch.testing.assert_close(na.full_tensor() if isinstance(na, DTensor) else na,
+                                   nb.full_tensor() if isinstance(nb, DTensor) else nb)
+        oa.step()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.full_tensor(), pb.full_tensor(), msg=n)
+
+
+# Freezing parameters after sharding.
+@multi_rank(world_sizes=(2,))
+def test_requires_grad_false_after_sharding():
+    a, b = _both()
+    for m in (a, b):
+        m.blocks[0].lin1.weight.requires_grad_(False)
+        m.out.requires_grad_(False)
+    for it in range(2):
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        assert _meta(a) == _meta(b)
+
+
+# model.to(dtype) after sharding, then train.
+@multi_rank(world_sizes=(2,))
+def test_to_float64_after_sharding():
+    a, b = _both()
+    for m in (a, b):
+        m.to(torch.float64)
+    assert _meta(a) == _meta(b)
+    _step_both(a, b, _x(0).double())
+    _assert_grads_equal(a, b)
+    assert _meta(a) == _meta(b)
+
+
+# meta init, to_empty, reset_parameters (DTensor random init), then train.
+@multi_rank(world_sizes=(2,))
+def test_meta_init_to_empty_reset_parameters_matches_torch():
+    models = []
+    for fs in (_sw(), _pt()):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            m = Net()
+        for blk in m.blocks:
+            fs(blk)
+        fs(m)
+        m.to_empty(device="cpu")
+        torch.manual_seed(42)
+        for sub in m.modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+        models.append(m)
+    a, b = models
+    assert _meta(a) == _meta(b)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.full_tensor(), pb.full_tensor(), msg=n)
+    oa = torch.optim.SGD(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)
+    _step_both(a, b, _x(0))
+    _assert_grads_equal(a, b)
+    oa.step()
+    ob.step()
+    _step_both(a, b, _x(1))
+
+
+# An exception mid-forward, reset_iter_state on the root, then training resumes.
+@multi_rank(world_sizes=(2,))
+def test_exception_mid_forward_then_reset():
+    a, b = _both()
+    for m in (a, b):
+        h = m.blocks[1].register_forward_pre_hook(lambda *args: (_ for _ in ()).throw(KeyError("boom")))
+        with pytest.raises(KeyError):
+            m(_x(0))
+        h.remove()
+        m.reset_iter_state()
+    assert _param_types(a) == _param_types(b)
+    _step_both(a, b, _x(1))
+    _assert_grads_equal(a, b)
+
+
+# register_fsdp_forward_method: the method runs with unsharded params; compare.
+class GenNet(Net):
+    def generate(self, x):
+        return self.out(self.inp(x)) * 2
+
+
+@multi_rank(world_sizes=(2,))
+def test_register_fsdp_forward_method_matches_torch():
+    from torch.distributed.fsdp import register_fsdp_forward_method as pt_reg
+
+    from shardwise import register_fsdp_forward_method as sw_reg
+
+    a, b = _both(GenNet)
+    sw_reg(a, "generate")
+    pt_reg(b, "generate")
+    oa, ob = a.generate(_x(0)), b.generate(_x(0))
+    torch.testing.assert_close(oa, ob)
+    oa.sum().backward()
+    ob.sum().backward()
+    _assert_grads_equal(a, b)
+    assert _param_types(a) == _param_types(b)
+    got = {}
+    for name, reg, m in (("torch", pt_reg, b), ("shardwise", sw_reg, a)):
+        got[name] = _raises(ValueError, lambda: reg(m, "nope"))
+    assert got["torch"] == got["shardwise"]
+
+
+# state_dict right after a forward (root keeps unsharded params) and parameter
+# identity across steps.
+@multi_rank(world_sizes=(2,))
+def test_state_dict_after_forward_and_param_identity():
+    a, b = _both()
+    ids_a = [id(p) for p in a.parameters()]
+    ids_b = [id(p) for p in b.parameters()]
+    outs = [m(_x(0)) for m in (a, b)]
+    sda, sdb = a.state_dict(), b.state_dict()
+    assert list(sda) == list(sdb)
+    assert {k: type(v).__name__ for k, v in sda.items()} == {k: type(v).__name__ for k, v in sdb.items()}
+    for o in outs:
+        o.sum().backward()
+    _assert_grads_equal(a, b)
+    assert [id(p) for p in a.parameters()] == ids_a
+    assert [id(p) for p in b.parameters()] == ids_b
+
+
+# Activation checkpointing around an FSDP block: the recompute runs the block's
+# forward hooks again during backward.
+class CkptNet(Net):
+    reentrant = False
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=self.reentrant)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@multi_rank(world_sizes=(2,))
+def test_activation_checkpointing_matches_torch(reentrant):
+    a, b = _both(CkptNet)
+    a.reentrant = b.reentrant = reentrant
+    for it in range(2):
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        assert _param_types(a) == _param_types(b)
+        for m in (a, b):
+            m.zero_grad()
+
+
+# Composable checkpoint applied to blocks before fully_shard (the torchtitan way).
+@multi_rank(world_sizes=(2,))
+def test_composable_checkpoint_then_fully_shard():
+    from torch.distributed._composable import checkpoint
+
+    torch.manual_seed(0)
+    a = Net()
+    b = copy.deepcopy(a)
+    for fs, m in ((_sw(), a), (_pt(), b)):
+        for blk in m.blocks:
+            checkpoint(blk)
+            fs(blk)
+        fs(m)
+    for it in range(2):
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        for m in (a, b):
+            m.zero_grad()
+
+
+# ignored_params stay plain tensors, get local (unreduced) grads, like PyTorch.
+@multi_rank(world_sizes=(2,))
+def test_ignored_params_match_torch():
+    torch.manual_seed(0)
+    a = Net()
+    b = copy.deepcopy(a)
+    for fs, m in ((_sw(), a), (_pt(), b)):
+        fs(m, ignored_params={m.out.weight, m.blocks[0].lin1.bias})
+    assert _param_types(a) == _param_types(b)
+    _step_both(a, b, _x(0))
+    _assert_grads_equal(a, b)
+
+
+@multi_rank(world_sizes=(2,))
+def test_repr_and_class_name_match_torch():
+    a, b = _both()
+    assert repr(a) == repr(b)
+    assert type(a).__name__ == type(b).__name__
+    assert type(a.blocks[0]).__name__ == type(b.blocks[0]).__name__
+
+
+# reshard() on the root between forward and backward; backward re-gathers.
+@multi_rank(world_sizes=(2,))
+def test_root_reshard_between_forward_and_backward():
+    a, b = _both()
+    outs = []
+    for m in (a, b):
+        outs.append(m(_x(0)).sum())
+        m.reshard()
+    assert _param_types(a) == _param_types(b)
+    for o in outs:
+        o.backward()
+    _assert_grads_equal(a, b)
+
+
+# load_state_dict(assign=True) of a sharded state dict, then train.
+@multi_rank(world_sizes=(2,))
+def test_load_state_dict_assign_then_train():
+    a, b = _both()
+    for m in (a, b):
+        sd = {k: v.detach().clone() * 0.5 for k, v in m.state_dict().items()}
+        m.load_state_dict(sd, assign=True)
+    assert _meta(a) == _meta(b)
+    oa = torch.optim.SGD(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)
+    for it in range(2):
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        oa.step()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+
+
+# zero_grad(set_to_none=False) then accumulate over two backwards.
+@multi_rank(world_sizes=(2,))
+def test_zero_grad_not_none_then_accumulate():
+    a, b = _both()
+    _step_both(a, b, _x(0))
+    for m in (a, b):
+        m.zero_grad(set_to_none=False)
+    _step_both(a, b, _x(1))
+    _step_both(a, b, _x(2))
+    _assert_grads_equal(a, b)
+
+
+# HSDP with gradient sync off for two micro-batches.
+@multi_rank(world_sizes=(2,))
+def test_hsdp_no_sync_accumulation_matches_torch():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    a, b = _both(mesh=mesh)
+    for i in range(3):
+        for m in (a, b):
+            m.set_requires_gradient_sync(i == 2)
+        _step_both(a, b, _x(i))
+    _assert_grads_equal(a, b)
+
+
+# CPU offload against PyTorch's (pin_memory off: no accelerator).
+@multi_rank(world_sizes=(2,))
+def test_cpu_offload_matches_torch():
+    from torch.distributed.fsdp import CPUOffloadPolicy as PT
+
+    from shardwise import CPUOffloadPolicy as SW
+
+    torch.manual_seed(0)
+    a = Net()
+    b = copy.deepcopy(a)
+    for fs, m, pol in ((_sw(), a, SW(pin_memory=False)), (_pt(), b, PT(pin_memory=False))):
+        for blk in m.blocks:
+            fs(blk, offload_policy=pol)
+        fs(m, offload_policy=pol)
+    oa = torch.optim.Adam(a.parameters(), lr=0.01)
+    ob = torch.optim.Adam(b.parameters(), lr=0.01)
+    for it in range(2):
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        assert _meta(a) == _meta(b)
+        oa.step()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+
+
+# Outputs in containers (dict / tuple with a non-float tensor) and a forward
+# whose kwargs carry the tensor.
+class DictNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.lin2 = nn.Linear(8, 8)
+
+    def forward(self, *, x, mask=None):
+        h = self.lin(x)
+        return {"h": h, "aux": (self.lin2(h), torch.arange(3))}
+
+
+@multi_rank(world_sizes=(2,))
+def test_kwargs_and_container_outputs_with_mp():
+    torch.manual_seed(0)
+    a = DictNet()
+    b = copy.deepcopy(a)
+    mpa, mpb = _mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    _sw()(a.lin2, mp_policy=mpa)
+    _sw()(a, mp_policy=mpa)
+    _pt()(b.lin2, mp_policy=mpb)
+    _pt()(b, mp_policy=mpb)
+    oa, ob = a(x=_x(0), mask=torch.ones(2, dtype=torch.bool)), b(x=_x(0), mask=torch.ones(2, dtype=torch.bool))
+    assert oa["h"].dtype == ob["h"].dtype and oa["aux"][0].dtype == ob["aux"][0].dtype
+    assert oa["aux"][1].dtype == ob["aux"][1].dtype
+    (oa["h"].sum() + oa["aux"][0].sum()).backward()
+    (ob["h"].sum() + ob["aux"][0].sum()).backward()
+    _assert_grads_equal(a, b)
+
+
+# model.to(dtype) right after a forward that left the root unsharded: PyTorch
+# reshards first (FSDPModule._apply), so the sharded parameters are converted.
+@multi_rank(world_sizes=(2,))
+def test_to_dtype_after_forward_converts_sharded_params():
+    """`.to(float64)` right after a forward that kept the root unsharded must
+    convert the shards. (PyTorch 2.13's fully_shard converts them too but then
+    fails its next all-gather copy-out, so the reference is the unsharded model.)"""
+    from shardwise.testing import replicate_grads
+
+    torch.manual_seed(0)
+    ref = Net()
+    a = copy.deepcopy(ref)
+    for blk in a.blocks:
+        _sw()(blk)
+    _sw()(a)
+    with torch.no_grad():
+        a(_x(0))
+    a.to(torch.float64)
+    ref.to(torch.float64)
+    assert all(isinstance(p, DTensor) and p.dtype == torch.float64 for p in a.parameters())
+    _step_both(a, ref, _x(1).double())
+    replicate_grads(ref)
+    _assert_grads_equal(a, ref)
+
+
+# A parameter shared by a child group and its parent: PyTorch raises ValueError
+# when the root lazily initialises (at the first forward), not at fully_shard.
+class TiedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+@multi_rank(world_sizes=(2,))
+def test_shared_param_across_groups_error_timing():
+    got = {}
+    for name, fs in (("torch", _pt()), ("shardwise", _sw())):
+        torch.manual_seed(0)
+        m = TiedNet()
+
+        def shard_and_run():
+            fs(m.emb)
+            fs(m)
+            return "sharded"
+
+        first = _raises(ValueError, shard_and_run)
+        second = _raises(ValueError, lambda: m(_x(0))) if first == "no error" else None
+        got[name] = (first, second)
+    assert got["torch"] == got["shardwise"], got
+
+
+# A list of modules as the root: PyTorch refuses at the first forward.
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@multi_rank(world_sizes=(2,))
+def test_list_root_forward():
+    got = {}
+    for name, fs in (("torch", _pt()), ("shardwise", _sw())):
+        torch.manual_seed(0)
+        m = Pair()
+        fs([m.a, m.b])
+        got[name] = _raises(RuntimeError, lambda: m.a(_x(0)))
+    assert got["torch"] == got["shardwise"], got
