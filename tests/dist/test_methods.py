@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn

@@ -515,6 +515,7 @@ def test_dataclass_inputs_are_cast():
     ob = b(Batch(x.clone()))
     got = _raises(Exception, lambda: a(Batch(x.clone())))
     assert (got, a.seen) == ("no error", b.seen)
+    torch.testing.assert_close(a(Batch(x.clone())), ob)
 
 
 # HSDP on a (2, 1) and a (1, 2) mesh against PyTorch's HSDP.
