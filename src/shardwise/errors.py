@@ -4,7 +4,16 @@ value and the fix."""
 
 from __future__ import annotations
 
-__all__ = ["ShardwiseError", "ConfigError", "ConfigTypeError", "CollectiveError", "CheckpointError"]
+__all__ = [
+    "ShardwiseError",
+    "ConfigError",
+    "ConfigTypeError",
+    "CollectiveError",
+    "CheckpointError",
+    "UsageError",
+    "MismatchError",
+    "UnsupportedError",
+]
 
 
 class ShardwiseError(Exception):
@@ -28,3 +37,19 @@ class CheckpointError(ShardwiseError, ValueError):
     """A checkpoint or exported file is not what it must be (missing, incomplete,
     corrupted, or of another model), or cannot be written where asked. Raised
     before the model or optimizer in memory is touched."""
+
+
+# Misuses for which PyTorch's FSDP raises RuntimeError / NotImplementedError:
+# these are both, so code written for either PyTorch or the brief catches them.
+class UsageError(ConfigError, RuntimeError):
+    """A valid call in the wrong place or at the wrong time (e.g. on a nested
+    wrapper instead of the root)."""
+
+
+class MismatchError(ConfigTypeError, RuntimeError):
+    """Arguments that do not fit together (e.g. a state-dict config of another
+    state-dict type)."""
+
+
+class UnsupportedError(ConfigError, NotImplementedError):
+    """A combination of options that is refused (e.g. rank0_only with writeback)."""

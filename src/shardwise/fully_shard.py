@@ -390,7 +390,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                 group.write_back()
     finally:
         for group in done:
-            group.reshard()
+            group.end_summon()
 
 
 # ---- fully_shard ----------------------------------------------------------------

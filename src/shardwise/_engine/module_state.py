@@ -124,8 +124,8 @@ class ModuleState:
             # even right after a forward that kept them unsharded (e.g. the root).
             owners = {id(m): m for p in group.params for m, _ in p.owners}
             for owner in owners.values():
-                owner.register_state_dict_pre_hook(lambda *_a, **_k: group.reshard())  # type: ignore[no-untyped-call]
-                owner.register_load_state_dict_pre_hook(lambda *_a, **_k: group.reshard())  # type: ignore[no-untyped-call]
+                owner.register_state_dict_pre_hook(lambda *_a, **_k: group.reshard_for_state_dict())  # type: ignore[no-untyped-call]
+                owner.register_load_state_dict_pre_hook(lambda *_a, **_k: group.reshard_for_state_dict())  # type: ignore[no-untyped-call]
 
     # ---- lazy init ------------------------------------------------------------
     def lazy_init(self) -> None:

@@ -158,7 +158,8 @@ class ParamGroup:
         # instead of in pre-backward (BACKWARD_PRE): less memory, later overlap.
         self.prefetch_in_post_backward = False
         self._backward_targets: list[ParamGroup] = []
-        # Leave reduced gradients in the reduction dtype instead of upcasting.
+        # Install reduced gradients in the low-precision param_dtype instead of the
+        # parameters' own dtype (FSDP1's keep_low_precision_grads).
         self.keep_low_precision_grads = False
         # Reduce zeros for trainable parameters without a gradient this backward.
         self.reduce_scatter_unused_params = False
@@ -169,6 +170,8 @@ class ParamGroup:
         # HSDP with all-reduce off: reduce-scattered sums awaiting their all-reduce.
         self._partial: tuple[list[ShardedParam], torch.Tensor] | None = None
         self._post_forward_data: torch.Tensor | None = None
+        # Open summon_full_params contexts holding this group's full parameters.
+        self.summon_depth = 0
         self.flat_sharded: torch.Tensor | None = None
         self.subgroup: SubgroupInfo | None = None
         self.reshard_after_forward = True
@@ -318,10 +321,23 @@ class ParamGroup:
                 f"(state {self.training_state.name}); call it outside the training step."
             )
         full = [p.unsharded_param for p in self.params]
+        self.summon_depth += 1
         if self.is_unsharded and all(u is not None and u.dtype == p.orig_dtype for u, p in zip(full, self.params)):
             return
         self.reshard()
         self.unshard(dtype=self.orig_dtype)
+
+    def end_summon(self) -> None:
+        """Leave a summon_full_params context; reshard when the outermost ends."""
+        self.summon_depth = max(0, self.summon_depth - 1)
+        if self.summon_depth == 0:
+            self.reshard()
+
+    def reshard_for_state_dict(self) -> None:
+        """State dicts see the sharded parameters, except inside summon_full_params
+        (where PyTorch's ``state_dict()`` gives the full ones)."""
+        if self.summon_depth == 0:
+            self.reshard()
 
     def write_back(self) -> None:
         """Copy the (possibly modified) unsharded parameters into this rank's shards."""
@@ -511,10 +527,11 @@ class ParamGroup:
             self.all_reduce_hook(out)
         # Our own buffers are fresh per call, so gradients may be views of them.
         alias = coll.is_default(self.reduce_scatter_comm)
+        grad_dtype = self.mp.param_dtype if self.keep_low_precision_grads else None
         offs = coll.offsets([p.layout for p in pr.params])
         for p, a, b in zip(pr.params, offs, offs[1:]):
             shard = out[a:b].view(p.layout.padded_shape).narrow(p.shard_dim, 0, p.layout.local_rows)
-            p.shard_grad(shard if alias else shard.clone(), keep_dtype=self.keep_low_precision_grads)
+            p.shard_grad(shard if alias else shard.clone(), dtype=grad_dtype)
         return True
 
     def finalize_backward(self) -> None:

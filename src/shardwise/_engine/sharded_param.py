@@ -268,11 +268,11 @@ class ShardedParam:
         if self.unsharded_param is not None:
             free_storage(self.unsharded_param)
 
-    def shard_grad(self, grad_shard: torch.Tensor, keep_dtype: bool = False) -> None:
+    def shard_grad(self, grad_shard: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Install (or accumulate) this rank's reduced, unpadded gradient chunk
-        as the DTensor ``.grad`` of the sharded parameter (in the parameter's
-        dtype, or the reduction dtype when ``keep_dtype``)."""
-        dtype = grad_shard.dtype if keep_dtype else self.orig_dtype
+        as the DTensor ``.grad`` of the sharded parameter, in ``dtype`` (Default:
+        ``None``: the parameter's own dtype)."""
+        dtype = dtype or self.orig_dtype
         if grad_shard.dtype != dtype or grad_shard.device != self.sharded_data.device:
             # Offloaded shards take their gradients on the host. Blocking: an
             # async device-to-host copy could be read by the optimizer too early.

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from shardwise.errors import ConfigError, ConfigTypeError
+from shardwise.errors import ConfigError, ConfigTypeError, MismatchError
 
 from .config import (
     CONFIG_FOR_TYPE,
@@ -97,12 +97,12 @@ def set_state_dict_type(
     cfg = cfg_cls() if state_dict_config is None else state_dict_config
     optim_cfg = optim_cls() if optim_state_dict_config is None else optim_state_dict_config
     if type(cfg) is not cfg_cls:
-        raise ConfigTypeError(
+        raise MismatchError(
             f"state_dict_config for {state_dict_type.name} must be a {cfg_cls.__name__}, got "
             f"{type(cfg).__name__}; pass {cfg_cls.__name__}(...) or None."
         )
     if type(optim_cfg) is not optim_cls:
-        raise ConfigTypeError(
+        raise MismatchError(
             f"optim_state_dict_config for {state_dict_type.name} must be a {optim_cls.__name__}, "
             f"got {type(optim_cfg).__name__}; pass {optim_cls.__name__}(...) or None."
         )

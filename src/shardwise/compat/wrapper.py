@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardwise._engine.module_state import state_of, states_under
 from shardwise._engine.param_group import ParamGroup, TrainingState
-from shardwise.errors import ConfigError, ConfigTypeError
+from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
 from shardwise.fully_shard import fully_shard
 from shardwise.fully_shard import summon_full_params as engine_summon
 from shardwise.policies import CPUOffloadPolicy, OffloadPolicy
@@ -240,6 +240,7 @@ class FullyShardedDataParallel(nn.Module):
             broadcast_module_states(module, ignored, plan.mesh)
 
         offload = cpu_offload is not None and cpu_offload.offload_params
+        user_class = type(module)
         fully_shard(
             module,
             mesh=plan.mesh,
@@ -248,6 +249,10 @@ class FullyShardedDataParallel(nn.Module):
             offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
             ignored_params=ignored.params,
         )
+        # As with PyTorch's wrapper, the wrapped module keeps the user's class
+        # (type(), repr); what fully_shard's class swap adds around _apply (reshard
+        # first, re-adopt the shards after) this wrapper's _apply does.
+        module.__class__ = user_class
         self._fsdp_wrapped_module = module
         self._plan: StrategyPlan = plan
         self._ignored = ignored
@@ -313,6 +318,17 @@ class FullyShardedDataParallel(nn.Module):
                     f"not take ({exc}); a CustomPolicy's dict may hold only constructor arguments."
                 ) from exc
             setattr(parent, name, wrapped)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``.to()``, ``to_empty()`` and friends convert the shards, not a
+        temporary full copy, and the engine re-adopts what they replaced."""
+        group = self._group
+        if group is not None:
+            group.reshard()
+        out = super()._apply(*args, **kwargs)  # type: ignore[no-untyped-call]
+        if group is not None:
+            group.reset_sharded_params()
+        return out
 
     def _configure_group(self) -> None:
         """Translate the prefetch and precision options into engine group settings."""
@@ -461,7 +477,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _require_root(self, what: str) -> None:
         if not self.check_is_root():
-            raise ConfigError(
+            raise UsageError(
                 f"{what} must be called on the root FullyShardedDataParallel module (the outermost "
                 "one), not on a nested one."
             )
@@ -640,7 +656,7 @@ class FullyShardedDataParallel(nn.Module):
         ):
             _check_flag(value, arg)
         if rank0_only and writeback:
-            raise ConfigError(
+            raise UnsupportedError(
                 "summon_full_params(rank0_only=True, writeback=True) is not supported: the other ranks "
                 "hold only shards, so writing back would make ranks disagree. Pass writeback=False."
             )

@@ -1,0 +1,564 @@
+"""Review: wrapper API vs PyTorch's FSDP1 (CPU / gloo)."""
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.testing import multi_rank
+
+
+class Block(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin1 = nn.Linear(d, d)
+        self.lin2 = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _base():
+    torch.manual_seed(0)
+    return Net()
+
+
+def _both(policy_ours=None, policy_theirs=None, base=None, **kw):
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    base = base or _base()
+    kw_t = {k: (getattr(tfsdp, type(v).__name__)(**vars(v)) if type(v).__module__.startswith("shardwise") and hasattr(tfsdp, type(v).__name__) and not isinstance(v, __import__("enum").Enum) else v) for k, v in kw.items()}
+    for k, v in kw.items():
+        if isinstance(v, __import__("enum").Enum):
+            kw_t[k] = getattr(getattr(tfsdp, type(v).__name__), v.name)
+    ours = shardwise.FullyShardedDataParallel(copy.deepcopy(base), auto_wrap_policy=policy_ours, **kw)
+    theirs = tfsdp.FullyShardedDataParallel(
+        copy.deepcopy(base), auto_wrap_policy=policy_theirs, device_id=torch.device("cpu"), **kw_t
+    )
+    return ours, theirs
+
+
+def _p(*a):
+    if __import__("torch.distributed").distributed.get_rank() != 0:
+        return
+    import torch.distributed as dist
+    print(f"[rank{dist.get_rank()}]", *a, file=sys.stderr, flush=True)
+
+
+def _train_both(o, t, steps=2, lr=1e-2):
+    import torch.distributed as dist
+    oo = torch.optim.Adam(o.parameters(), lr=lr)
+    ot = torch.optim.Adam(t.parameters(), lr=lr)
+    for s in range(steps):
+        g = torch.Generator().manual_seed(100 * s + dist.get_rank())
+        x = torch.randn(4, 8, generator=g)
+        for m, opt in ((o, oo), (t, ot)):
+            m(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return oo, ot
+
+
+def _desc(v):
+    if isinstance(v, torch.Tensor):
+        return (type(v).__name__, tuple(v.shape), v.dtype, v.device.type)
+    if isinstance(v, dict):
+        return {k: _desc(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)([_desc(x) for x in v])
+    return v
+
+
+def _cmp(a, b, path="", out=None):
+    out = [] if out is None else out
+    if isinstance(a, dict) and isinstance(b, dict):
+        if list(a.keys()) != list(b.keys()):
+            out.append((path, "keys", list(a.keys()), list(b.keys())))
+        for k in a:
+            if k in b:
+                _cmp(a[k], b[k], f"{path}/{k}", out)
+    elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if _desc(a) != _desc(b):
+            out.append((path, _desc(a), _desc(b)))
+        elif type(a) is torch.Tensor and not torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5):
+            out.append((path, "values differ"))
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b) or type(a) != type(b):
+            out.append((path, "seq", a, b))
+        else:
+            for i, (x, y) in enumerate(zip(a, b)):
+                _cmp(x, y, f"{path}[{i}]", out)
+    else:
+        if type(a) != type(b) or a != b:
+            out.append((path, repr(a)[:200], repr(b)[:200]))
+    return out
+
+
+def _try(fn):
+    try:
+        r = fn()
+        return ("ok", type(r).__name__)
+    except Exception as e:
+        return (type(e).__name__, str(e)[:120])
+
+
+def _x():
+    import torch.distributed as dist
+
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+
+def _policies():
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    is_linear = lambda m: isinstance(m, nn.Linear)  # noqa: E731
+    return {
+        "none": (None, None),
+        "size": (
+            functools.partial(swrap.size_based_auto_wrap_policy, min_num_params=200),
+            functools.partial(twrap.size_based_auto_wrap_policy, min_num_params=200),
+        ),
+        "transformer": (
+            functools.partial(swrap.transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+            functools.partial(twrap.transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        ),
+        "lambda": (
+            functools.partial(swrap.lambda_auto_wrap_policy, lambda_fn=is_linear),
+            functools.partial(twrap.lambda_auto_wrap_policy, lambda_fn=is_linear),
+        ),
+        "module_wrap": (swrap.ModuleWrapPolicy({Block, nn.Linear}), twrap.ModuleWrapPolicy({Block, nn.Linear})),
+        "custom_kwargs": (
+            swrap.CustomPolicy(
+                lambda m: {"sharding_strategy": shardwise.ShardingStrategy.NO_SHARD} if isinstance(m, Block) else False
+            ),
+            twrap.CustomPolicy(
+                lambda m: {"sharding_strategy": tfsdp.ShardingStrategy.NO_SHARD} if isinstance(m, Block) else False
+            ),
+        ),
+    }
+
+
+# =====================================================================================
+# Findings (fail today)
+# =====================================================================================
+
+
+@pytest.mark.parametrize("after_forward", [False, True])
+@pytest.mark.parametrize("recurse", [True, False])
+@multi_rank(world_sizes=(2,))
+def test_state_dict_inside_summon_full_params_like_pytorch(recurse, after_forward):
+    """`with FSDP.summon_full_params(model): sd = model.state_dict()` is a common
+    FSDP1 idiom (full weights on every rank). PyTorch returns the full state dict;
+    shardwise raises AssertionError('... (root) is not unsharded')."""
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), use_orig_params=True)
+    if after_forward:
+        _train_both(o, t, steps=1)
+    # Clone inside: on exit both free the full parameters the values alias
+    # (reading PyTorch's afterwards segfaults).
+    with tfsdp.FullyShardedDataParallel.summon_full_params(t, recurse=recurse):
+        theirs = {k: v.clone() for k, v in t.state_dict().items()}
+    with shardwise.FullyShardedDataParallel.summon_full_params(o, recurse=recurse):
+        ours = {k: v.clone() for k, v in o.state_dict().items()}
+    assert list(ours) == list(theirs)
+    for k in theirs:
+        assert type(ours[k]) is torch.Tensor and ours[k].shape == theirs[k].shape, k
+        torch.testing.assert_close(ours[k], theirs[k], msg=k)
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@multi_rank(world_sizes=(2,))
+def test_keep_low_precision_grads_dtype_like_pytorch(use_orig_params):
+    """MixedPrecision(param_dtype=fp16, reduce_dtype=fp32, keep_low_precision_grads=True):
+    PyTorch's gradients after backward are in param_dtype (fp16); shardwise's are in
+    reduce_dtype (fp32)."""
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    mp = shardwise.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32, keep_low_precision_grads=True)
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params, mixed_precision=mp)
+    x = _x()
+    for m in (o, t):
+        m(x).float().pow(2).sum().backward()
+    theirs = {p.grad.dtype for p in t.parameters() if p.grad is not None}
+    ours = {p.grad.dtype for p in o.parameters() if p.grad is not None}
+    assert theirs == {torch.float16}
+    assert ours == theirs
+
+
+def _err_nested_clip(F, m):
+    m(_x()).sum().backward()
+    m.blocks[0].clip_grad_norm_(1.0)
+
+
+def _err_nested_no_sync(F, m):
+    m(_x()).sum().backward()  # the first forward decides the root (PyTorch too)
+    with m.blocks[0].no_sync():
+        pass
+
+
+def _err_summon_rank0_writeback(F, m):
+    with F.summon_full_params(m, rank0_only=True, writeback=True):
+        pass
+
+
+def _err_state_dict_type_config(F, m):
+    mod = __import__(F.__module__.split(".")[0] if F.__module__.startswith("shardwise") else "torch.distributed.fsdp", fromlist=["x"])
+    with F.state_dict_type(m, mod.StateDictType.FULL_STATE_DICT, mod.ShardedStateDictConfig()):
+        pass
+
+
+@pytest.mark.parametrize(
+    "case", ["_err_nested_clip", "_err_nested_no_sync", "_err_summon_rank0_writeback", "_err_state_dict_type_config"]
+)
+@multi_rank(world_sizes=(2,))
+def test_error_types_like_pytorch(case):
+    """A test doing `pytest.raises(RuntimeError)` (PyTorch's type) must pass with
+    shardwise too. PyTorch: RuntimeError (nested clip_grad_norm_, nested no_sync,
+    mismatched state_dict_config), NotImplementedError (a RuntimeError) for
+    summon_full_params(rank0_only=True, writeback=True). shardwise raises
+    ConfigError (ValueError) / ConfigTypeError (TypeError), which are not
+    RuntimeErrors."""
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    fn = globals()[case]
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), use_orig_params=True)
+    with pytest.raises(Exception) as theirs:
+        fn(tfsdp.FullyShardedDataParallel, t)
+    with pytest.raises(Exception) as ours:
+        fn(shardwise.FullyShardedDataParallel, o)
+    expected = type(theirs.value)
+    assert isinstance(ours.value, expected), (type(ours.value).__mro__, expected)
+
+
+@multi_rank(world_sizes=(2,))
+def test_module_type_and_repr_like_pytorch():
+    """`model.module` is the user's module itself in PyTorch (type(model.module) is
+    Net, repr shows `Net(`); shardwise swaps its class for a generated `FSDPNet`
+    subclass, visible in type(), repr() and print(model)."""
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise.wrap as swrap
+
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}))
+    assert type(t.module) is Net and type(t.blocks[0].module) is Block
+    assert repr(o) == repr(t)
+    assert type(o.module) is Net and type(o.blocks[0].module) is Block
+
+
+# =====================================================================================
+# Passing checks against PyTorch (behaviour not covered by tests/dist/test_wrapper_*.py)
+# =====================================================================================
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("policy", ["none", "size", "transformer", "lambda", "module_wrap", "custom_kwargs"])
+@multi_rank(world_sizes=(2,))
+def test_auto_wrap_policies_like_pytorch(policy, use_orig_params):
+    """Same wrappers (wrapped module classes, per-wrapper strategies incl. CustomPolicy
+    overrides), same named_modules, state_dict keys, check_is_root, forward output."""
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    F, T = shardwise.FullyShardedDataParallel, tfsdp.FullyShardedDataParallel
+    po, pt = _policies()[policy]
+    o, t = _both(po, pt, use_orig_params=use_orig_params)
+    kinds = lambda W, m: [(isinstance(w.module, Block), isinstance(w.module, nn.Linear), w.sharding_strategy.name) for w in W.fsdp_modules(m)]  # noqa: E731
+    assert kinds(F, o) == kinds(T, t)
+    assert [n for n, _ in o.named_modules()] == [n for n, _ in t.named_modules()]
+    assert list(o.state_dict()) == list(t.state_dict())
+    assert [w.check_is_root() for w in F.fsdp_modules(o)] == [w.check_is_root() for w in T.fsdp_modules(t)]
+    assert len(F.fsdp_modules(o, root_only=True)) == len(T.fsdp_modules(t, root_only=True)) == 1
+    x = _x()
+    torch.testing.assert_close(o(x), t(x))
+
+
+@multi_rank(world_sizes=(2,))
+def test_manual_nested_wrapping_like_pytorch():
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    res = []
+    for W, kw in ((shardwise.FullyShardedDataParallel, {}), (tfsdp.FullyShardedDataParallel, {"device_id": torch.device("cpu")})):
+        n = _base()
+        n.blocks[0] = W(n.blocks[0], **kw)
+        n.blocks[1] = W(n.blocks[1], **kw)
+        m = W(n, **kw)
+        y = m(_x())
+        y.sum().backward()
+        res.append((len(W.fsdp_modules(m)), list(m.state_dict()), [w.check_is_root() for w in W.fsdp_modules(m)], y.detach()))
+    assert res[0][:3] == res[1][:3]
+    torch.testing.assert_close(res[0][3], res[1][3])
+
+
+@multi_rank(world_sizes=(2,))
+def test_param_init_fn_on_meta_like_pytorch():
+    """param_init_fn is called on the same modules, and the result is the same."""
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    res = []
+    for W, pol, kw in (
+        (shardwise.FullyShardedDataParallel, swrap.ModuleWrapPolicy({Block}), {}),
+        (tfsdp.FullyShardedDataParallel, twrap.ModuleWrapPolicy({Block}), {"device_id": torch.device("cpu")}),
+    ):
+        with torch.device("meta"):
+            n = Net()
+        called = []
+
+        def init(mod, called=called):
+            called.append(type(mod).__name__)
+            mod.to_empty(device=torch.device("cpu"), recurse=False)
+            for i, p in enumerate(mod.parameters(recurse=False)):
+                torch.nn.init.constant_(p, 0.5 + i)
+
+        m = W(n, param_init_fn=init, auto_wrap_policy=pol, **kw)
+        with W.state_dict_type(m, (shardwise if W.__module__.startswith("shardwise") else tfsdp).StateDictType.FULL_STATE_DICT):
+            sd = m.state_dict()
+        res.append(({k: (v.device.type, float(v.sum())) for k, v in sd.items()}, sorted(called)))
+    assert res[0] == res[1]
+
+
+@multi_rank(world_sizes=(2,))
+def test_ignored_modules_like_pytorch():
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    res = []
+    for W, kw in ((shardwise.FullyShardedDataParallel, {}), (tfsdp.FullyShardedDataParallel, {"device_id": torch.device("cpu")})):
+        n = _base()
+        m = W(n, ignored_modules=[n.head], **kw)
+        head = [(k.replace("_fsdp_wrapped_module.", ""), tuple(v.shape), type(v)) for k, v in m.named_parameters() if "head" in k]
+        m(_x()).sum().backward()
+        res.append((head, list(m.state_dict()), tuple(m.module.head.weight.grad.shape)))
+    assert res[0] == res[1]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1, math.inf])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@multi_rank(world_sizes=(2,))
+def test_clip_grad_norm_like_pytorch(strategy, norm_type):
+    """Same total norm (value, dtype, shape) and the same clipped full gradients."""
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    o, t = _both(
+        swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), use_orig_params=True,
+        sharding_strategy=getattr(shardwise.ShardingStrategy, strategy),
+    )
+    x = _x()
+    for m in (o, t):
+        m(x).pow(2).sum().backward()
+    a, b = o.clip_grad_norm_(0.5, norm_type), t.clip_grad_norm_(0.5, norm_type)
+    assert type(a) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape
+    torch.testing.assert_close(a, b)
+    with shardwise.FullyShardedDataParallel.summon_full_params(o, with_grads=True), tfsdp.FullyShardedDataParallel.summon_full_params(t, with_grads=True):
+        ga = {n: p.grad.clone() for n, p in o.named_parameters()}
+        gb = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in t.named_parameters()}
+    assert list(ga) == list(gb)
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], msg=k)
+
+
+@pytest.mark.parametrize(
+    "mp",
+    [
+        dict(param_dtype=torch.float16),
+        dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        dict(param_dtype=torch.float16, keep_low_precision_grads=True),
+        dict(param_dtype=torch.float16, cast_forward_inputs=True),
+        dict(reduce_dtype=torch.float16),
+        dict(buffer_dtype=torch.float16),
+    ],
+    ids=["fp16", "bf16_fp32", "fp16_keep", "fp16_cast_fwd", "reduce_only", "buffer_only"],
+)
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@multi_rank(world_sizes=(2,))
+def test_mixed_precision_dtypes_like_pytorch(mp, use_orig_params):
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params, mixed_precision=shardwise.MixedPrecision(**mp))
+    x = _x()
+    ya, yb = o(x), t(x)
+    assert ya.dtype == yb.dtype
+    ya.float().pow(2).sum().backward()
+    yb.float().pow(2).sum().backward()
+    assert {p.grad.dtype for p in o.parameters()} == {p.grad.dtype for p in t.parameters() if p.grad is not None}
+    assert {p.dtype for p in o.parameters()} == {p.dtype for p in t.parameters()}
+
+
+@multi_rank(world_sizes=(2,))
+def test_mixed_precision_without_root_cast_fails_like_pytorch():
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    mp = shardwise.MixedPrecision(param_dtype=torch.float16, cast_root_forward_inputs=False)
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), mixed_precision=mp)
+    with pytest.raises(RuntimeError):
+        t(_x())
+    with pytest.raises(RuntimeError):
+        o(_x())
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@multi_rank(world_sizes=(2,))
+def test_full_state_dict_configs_like_pytorch(use_orig_params):
+    """FULL_STATE_DICT with rank0_only False/True: same container type, keys, tensor
+    types/shapes/dtypes/devices and values per rank (rank 1 gets {} with rank0_only).
+    (PyTorch's offload_to_cpu=True segfaults on CPU/gloo, so it is checked on ours alone.)"""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    _train_both(o, t)
+    for ro in (False, True):
+        with shardwise.FullyShardedDataParallel.state_dict_type(o, shardwise.StateDictType.FULL_STATE_DICT, shardwise.FullStateDictConfig(rank0_only=ro)):
+            so = o.state_dict()
+        with tfsdp.FullyShardedDataParallel.state_dict_type(t, tfsdp.StateDictType.FULL_STATE_DICT, tfsdp.FullStateDictConfig(rank0_only=ro)):
+            st = t.state_dict()
+        assert type(so) is type(st)
+        assert _cmp(so, st) == []
+        if ro and dist.get_rank() == 1:
+            assert so == {}
+    with shardwise.FullyShardedDataParallel.state_dict_type(o, shardwise.StateDictType.FULL_STATE_DICT, shardwise.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        so2 = o.state_dict()
+    if dist.get_rank() == 0:
+        assert _cmp(so2, so) == [] if False else all(type(v) is torch.Tensor and v.device.type == "cpu" for v in so2.values())
+    else:
+        assert so2 == {}
+
+
+@pytest.mark.parametrize("api", ["optim_state_dict", "full_optim_state_dict"])
+@multi_rank(world_sizes=(2,))
+def test_optim_state_dict_matches_unsharded_adam(api):
+    """Keys as PyTorch's (FQN-keyed state, FQN param_groups; key order aside), values
+    equal to an unsharded Adam's trained on the same global batches. (PyTorch's own
+    values cannot be the reference here: on CPU/gloo its gathered exp_avg comes
+    back equal to exp_avg_sq.)"""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    F, T = shardwise.FullyShardedDataParallel, tfsdp.FullyShardedDataParallel
+    ref = _base()
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), base=copy.deepcopy(ref), use_orig_params=True)
+    oo, ot = _train_both(o, t)
+    ro = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    ws = dist.get_world_size()
+    for s in range(2):
+        for r in range(ws):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * s + r))
+            (ref(x).pow(2).sum() / ws).backward()
+        ro.step()
+        ro.zero_grad()
+    ours = getattr(F, api)(o, oo)
+    theirs = getattr(T, api)(t, ot)
+    if api == "full_optim_state_dict" and dist.get_rank() != 0:
+        assert ours == theirs == {}
+        return
+    assert sorted(ours["state"]) == sorted(theirs["state"])
+    assert [sorted(g["params"]) for g in ours["param_groups"]] == [sorted(g["params"]) for g in theirs["param_groups"]]
+    names = [n for n, _ in ref.named_parameters()]
+    for i, n in enumerate(names):
+        want = ro.state_dict()["state"][i]
+        got = ours["state"][n]
+        assert sorted(got) == sorted(theirs["state"][n]) == sorted(want)
+        for k in want:
+            assert type(got[k]) is torch.Tensor and got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, (n, k)
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=f"{n}/{k}")
+
+
+@multi_rank(world_sizes=(2,))
+def test_rank0_only_optim_state_dict_loads_with_empty_dict_elsewhere():
+    """FullOptimStateDictConfig(rank0_only=True): rank 0 holds the dict, others get {};
+    optim_state_dict_to_load on the other ranks accepts {} (rank 0 broadcasts), and
+    the loaded optimizer continues exactly like the original."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    F = shardwise.FullyShardedDataParallel
+    base = _base()
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), base=base, use_orig_params=True)
+    oo, _ = _train_both(o, t)
+    cfg = (shardwise.StateDictType.FULL_STATE_DICT, shardwise.FullStateDictConfig(rank0_only=True, offload_to_cpu=True), shardwise.FullOptimStateDictConfig(rank0_only=True))
+    with F.state_dict_type(o, *cfg):
+        osd = F.optim_state_dict(o, oo)
+        msd = o.state_dict()
+    if dist.get_rank() != 0:
+        assert osd == {} and msd == {}
+    o2 = shardwise.FullyShardedDataParallel(copy.deepcopy(base), auto_wrap_policy=swrap.ModuleWrapPolicy({Block}), use_orig_params=True)
+    full = [None]
+    if dist.get_rank() == 0:
+        full = [msd]
+    dist.broadcast_object_list(full, src=0)
+    o2.load_state_dict(full[0])
+    oo2 = torch.optim.Adam(o2.parameters(), lr=1e-2)
+    with F.state_dict_type(o2, *cfg):
+        oo2.load_state_dict(F.optim_state_dict_to_load(o2, oo2, osd))
+    x = _x()
+    for m, opt in ((o, oo), (o2, oo2)):
+        m(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for a, b in zip(o.state_dict().values(), o2.state_dict().values()):
+        torch.testing.assert_close(a, b)
