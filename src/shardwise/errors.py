@@ -13,6 +13,7 @@ __all__ = [
     "UsageError",
     "MismatchError",
     "UnsupportedError",
+    "AlreadyShardedError",
 ]
 
 
@@ -53,3 +54,7 @@ class MismatchError(ConfigTypeError, RuntimeError):
 
 class UnsupportedError(ConfigError, NotImplementedError):
     """A combination of options that is refused (e.g. rank0_only with writeback)."""
+
+
+class AlreadyShardedError(ConfigError, AssertionError):
+    """fully_shard applied twice to one module (PyTorch asserts)."""

@@ -18,7 +18,7 @@ from shardwise._engine.module_state import ModuleState, state_of, states_under
 from shardwise._engine.param_group import ParamGroup
 from shardwise._engine.sharded_param import ShardedParam
 from shardwise.comm import AllGather, ReduceScatter
-from shardwise.errors import ConfigError, ConfigTypeError
+from shardwise.errors import AlreadyShardedError, ConfigError, ConfigTypeError, UnsupportedError
 from shardwise.mesh import (
     MeshInfo,
     default_mesh,
@@ -403,6 +403,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
 ) -> Any:
     """Shard ``module``'s parameters across the mesh (FSDP / ZeRO-3).
 
@@ -429,10 +430,19 @@ def fully_shard(
         offload_policy: ``CPUOffloadPolicy()`` keeps shards, gradients and
             optimizer state on the CPU. (Default: ``OffloadPolicy()``: none)
         ignored_params: parameters left unsharded and unmanaged. (Default: ``None``)
+        dp_mesh_dims: PyTorch 2.13's named data-parallel dims of a larger SPMD
+            mesh; not supported yet (pass the data-parallel sub-mesh as ``mesh``).
+            (Default: ``None``)
 
     Returns:
         ``module`` itself (now also an ``FSDPModule``).
     """
+    if dp_mesh_dims is not None:
+        raise UnsupportedError(
+            "fully_shard(dp_mesh_dims=...) is not supported yet; pass the data-parallel "
+            "sub-mesh instead, e.g. mesh=world_mesh['dp'] (1-D) or "
+            "world_mesh['dp_replicate', 'dp_shard'] (2-D, HSDP)."
+        )
     modules = _check_modules(module)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ConfigTypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
@@ -462,6 +472,10 @@ def fully_shard(
         group = ParamGroup(params, modules, info, info.device, mp_policy, raf, storage_device, desc, pin)
     for orig, *_ in collected:
         _OWNED[orig] = desc
+    for managed in _managed_modules(modules):
+        # What PyTorch sets on every module it manages (dynamo and tools read them).
+        managed._is_fsdp_managed_module = True  # type: ignore[assignment]
+        managed._fsdp_use_orig_params = True  # type: ignore[assignment]
     state = ModuleState(modules, group, mp_policy, auto, info.device)
     if conflicts:
         state.deferred_error = conflicts[0]
@@ -483,7 +497,7 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
         if not isinstance(m, nn.Module):
             raise ConfigTypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}.")
         if state_of(m) is not None:
-            raise ConfigError(
+            raise AlreadyShardedError(
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per "
                 "module (to group several modules, pass them together as a list)."
             )
@@ -493,6 +507,21 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
                 "apply it to the modules inside, or pass them as a list: fully_shard(list(container))."
             )
     return modules
+
+
+def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
+    """``modules`` and their submodules not under a nested fully_shard."""
+    out: list[nn.Module] = []
+    stack = list(modules)
+    seen: set[int] = set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        stack.extend(c for c in m.children() if state_of(c) is None)
+    return out
 
 
 def _check_ignored(ignored_params: Any) -> set[int]:
@@ -602,6 +631,12 @@ def _make_sharded_params(
                     raise ConfigError(
                         f"shard_placement_fn returned Shard({placement.dim}) for {fqn} of shape "
                         f"{tuple(p.shape)}; the dim must be in [-{p.ndim}, {p.ndim})."
+                    )
+                if dim != 0 and p.shape[dim] % info.shard_size != 0:
+                    raise UnsupportedError(
+                        f"FSDP does not support uneven sharding on dim {dim}: {fqn} has shape "
+                        f"{tuple(p.shape)} and the shard group has {info.shard_size} ranks (as in "
+                        "PyTorch). Shard it on dim 0, or on a dim its size divides evenly."
                     )
         sp = ShardedParam(p, owners, info, dim, fqn)
         if p.device.type != "meta" and p.device != storage_device:

@@ -81,6 +81,8 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
             f"got a {mesh.ndim}-D mesh {tuple(mesh.shape)}. Slice it to the "
             "data-parallel dimensions, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']."
         )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
     if mesh.get_coordinate() is None:
         raise ConfigError(
             f"this rank ({dist.get_rank()}) is not part of mesh {mesh}; every rank "

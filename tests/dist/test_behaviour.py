@@ -238,13 +238,18 @@ def test_shard_placement_fn_dim1():
     from torch.distributed.tensor import Shard
 
     def shard(m):
-        _shard_stack(m, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+        _shard_stack(m, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 2 == 0 else None)
 
     model, ref = _pair(Stack, shard)
     assert model.layers[0].fc1.weight.placements == (Shard(1),)
     w = model.layers[0].fc1.weight
     assert w.to_local().shape == torch.chunk(ref.layers[0].fc1.weight, 2, dim=1)[dist.get_rank()].shape
     _train_and_compare(model, ref)
+    # like PyTorch, uneven sharding on a dim other than 0 is refused
+    from shardwise import fully_shard
+
+    with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):
+        fully_shard(nn.Linear(3, 5), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
 
 
 @pytest.mark.parametrize("mp", ["fp32", "bf16"])

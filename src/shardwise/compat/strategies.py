@@ -171,6 +171,14 @@ def _mesh_for(
                     f"{device_mesh.ndim}-D mesh {tuple(device_mesh.shape)}. Build it with "
                     "init_device_mesh(device_type, (num_nodes, ranks_per_node))."
                 )
+            if device_mesh.mesh_dim_names is None:
+                # FSDP1 accepts an unnamed mesh; the engine (like fully_shard) wants names.
+                return DeviceMesh.from_group(
+                    [device_mesh.get_group(0), device_mesh.get_group(1)],
+                    device_mesh.device_type,
+                    mesh=device_mesh.mesh,
+                    mesh_dim_names=("replicate", "shard"),
+                )
             return device_mesh
         if device_mesh.ndim != 1:
             raise ConfigError(
