@@ -1,7 +1,7 @@
 """Wrap policies: which submodules become their own sharding unit.
 
-The same policies, with the same call signatures, as
-``torch.distributed.fsdp.wrap``: the classes :class:`ModuleWrapPolicy` and
+The same policies, with the same call signatures, as PyTorch's FSDP
+``wrap`` module: the classes :class:`ModuleWrapPolicy` and
 :class:`CustomPolicy`, and the functions :func:`transformer_auto_wrap_policy`,
 :func:`size_based_auto_wrap_policy`, :func:`lambda_auto_wrap_policy` and
 :func:`always_wrap_policy`, which are used through ``functools.partial``::

@@ -1,6 +1,6 @@
 """The wrapper API's enums and configuration classes (SPEC §2), with PyTorch's
-names, fields and defaults (``torch.distributed.fsdp.api``), so that code
-written for ``torch.distributed.fsdp.FullyShardedDataParallel`` runs unchanged.
+names, fields and defaults (those of PyTorch's FSDP ``api`` module), so that
+code written for PyTorch's ``FullyShardedDataParallel`` runs unchanged.
 
 Unlike shardwise's own policies these are plain (mutable) dataclasses, as
 PyTorch's are: user code that builds a config and then sets a field keeps

@@ -108,7 +108,7 @@ def _device_from_id(device_id: object) -> torch.device | None:
 
 class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks
-    (PyTorch's ``torch.distributed.fsdp.FullyShardedDataParallel`` API).
+    (the API of PyTorch's FSDP1 ``FullyShardedDataParallel``).
 
     Example::
 
