@@ -5,9 +5,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-_SRC = Path(__file__).resolve().parent.parent / "src"
+_TESTS = Path(__file__).resolve().parent
+_SRC = _TESTS.parent / "src"
 
 # Test the source tree, installed or not (the worker processes of
 # shardwise.testing inherit this sys.path).
 if str(_SRC) not in sys.path:
     sys.path.insert(0, str(_SRC))
+# Shared test support (tests/fsdp_reference.py); spawned ranks inherit sys.path.
+if str(_TESTS) not in sys.path:
+    sys.path.append(str(_TESTS))

@@ -9,53 +9,11 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+from fsdp_reference import Net, _pt, _sw, _x  # noqa: E402  (shared with the other review file)
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.testing import multi_rank
-
-
-class Block(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.lin1 = nn.Linear(dim, dim)
-        self.lin2 = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.lin2(F.relu(self.lin1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8, n=2):
-        super().__init__()
-        self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(n))
-        self.out = nn.Linear(dim, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
-
-
-def _x(step=0, dim=8, n=4):
-    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
-    return torch.randn(n, dim, generator=g)
-
-
-def _sw():
-    from shardwise import fully_shard
-
-    return fully_shard
-
-
-def _pt():
-    from torch.distributed.fsdp import fully_shard
-
-    return fully_shard
 
 
 def _both(make=Net, **kw):
