@@ -33,6 +33,8 @@ class AllGatherResult(NamedTuple):
     work: WorkHandle | None
     input: torch.Tensor  # kept alive until the collective completes
     post_forward: bool  # gathered over the post-forward subgroup
+    layouts: Sequence[ShardLayout]  # how each parameter sits in ``output``
+    offsets: list[int]  # computed once at the start, reused at the finish
 
 
 class ReduceScatterResult(NamedTuple):
@@ -41,6 +43,7 @@ class ReduceScatterResult(NamedTuple):
     output: torch.Tensor  # this rank's reduced padded shards, concatenated
     work: WorkHandle | None
     input: torch.Tensor
+    offsets: list[int]  # where each gradient's shard starts in ``output``
 
 
 def is_default(comm: Comm) -> bool:
@@ -113,19 +116,14 @@ def start_all_gather(
                 inp[start:end].view(layout.padded_shape).copy_(shard)
     out = allocate(comm, num_shards * total, dtype, device, where, "AllGather")
     work = _guard(where, "AllGather", lambda: comm(out, inp, group, True))
-    return AllGatherResult(out, work, inp, post_forward)
+    return AllGatherResult(out, work, inp, post_forward, layouts, offs)
 
 
-def finish_all_gather(
-    result: AllGatherResult,
-    fulls: Sequence[torch.Tensor],
-    layouts: Sequence[ShardLayout],
-    where: str,
-) -> None:
+def finish_all_gather(result: AllGatherResult, fulls: Sequence[torch.Tensor], where: str) -> None:
     """Wait for the all-gather and copy each parameter out of the rank-major buffer."""
     if result.work is not None:
         _guard(where, "AllGather work", result.work.wait)
-    offs = offsets(layouts)
+    layouts, offs = result.layouts, result.offsets
     num_shards = layouts[0].num_shards if layouts else 1
     gathered = result.output.view(num_shards, -1)
     for full, start, end, layout in zip(fulls, offs, offs[1:], layouts):
@@ -154,4 +152,4 @@ def start_reduce_scatter(
         inp.div_(predivide)
     out = allocate(comm, total, dtype, device, where, "ReduceScatter")
     work = _guard(where, "ReduceScatter", lambda: comm(out, inp, group, dist.ReduceOp.SUM, True))
-    return ReduceScatterResult(out, work, inp)
+    return ReduceScatterResult(out, work, inp, offs)

@@ -289,10 +289,9 @@ class ParamGroup:
             return
         self._in_flight = None
         with record_function(f"shardwise::all_gather_copy_out ({self.name})"):
-            layouts = [p.post_forward_layout if result.post_forward else p.layout for p in self.params]
             dtype = result.output.dtype
             fulls = [p.ensure_unsharded(dtype, self.device).data for p in self.params]
-            coll.finish_all_gather(result, fulls, layouts, self.name)  # type: ignore[arg-type]
+            coll.finish_all_gather(result, fulls, self.name)
         self._post_forward_data = None
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
@@ -528,7 +527,7 @@ class ParamGroup:
         # Our own buffers are fresh per call, so gradients may be views of them.
         alias = coll.is_default(self.reduce_scatter_comm)
         grad_dtype = self.mp.param_dtype if self.keep_low_precision_grads else None
-        offs = coll.offsets([p.layout for p in pr.params])
+        offs = pr.result.offsets
         for p, a, b in zip(pr.params, offs, offs[1:]):
             shard = out[a:b].view(p.layout.padded_shape).narrow(p.shard_dim, 0, p.layout.local_rows)
             p.shard_grad(shard if alias else shard.clone(), dtype=grad_dtype)
