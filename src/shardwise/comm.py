@@ -15,7 +15,7 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["Comm", "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter", "WorkHandle"]
+__all__ = ["Comm", "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter", "FreshBuffers", "WorkHandle"]
 
 
 class WorkHandle(Protocol):
@@ -80,13 +80,18 @@ def all_gather_tensor(
     return cast("WorkHandle | None", _all_gather(output_tensor, input_tensor, group=group, async_op=async_op))
 
 
-class DefaultAllGather(AllGather):
-    """A fresh buffer per call from the normal allocator; ``all_gather_into_tensor``."""
+class FreshBuffers(Comm):
+    """``allocate`` from the normal allocator, a fresh buffer per call (so
+    results may alias it). A base for collectives that only change the call."""
 
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class DefaultAllGather(FreshBuffers, AllGather):
+    """A fresh buffer per call; ``all_gather_into_tensor``."""
 
     def __call__(
         self,
@@ -98,13 +103,8 @@ class DefaultAllGather(AllGather):
         return all_gather_tensor(output_tensor, input_tensor, group, async_op)
 
 
-class DefaultReduceScatter(ReduceScatter):
-    """A fresh buffer per call from the normal allocator; ``reduce_scatter_tensor``."""
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+class DefaultReduceScatter(FreshBuffers, ReduceScatter):
+    """A fresh buffer per call; ``reduce_scatter_tensor``."""
 
     def __call__(
         self,

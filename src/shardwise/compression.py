@@ -10,13 +10,13 @@ compute is approximate. Bytes on the wire: about 1/4 of fp32, 1/2 of bf16.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 import shardwise.comm as comm
-from shardwise.comm import AllGather, WorkHandle
+from shardwise.comm import AllGather, FreshBuffers, WorkHandle
 
 __all__ = ["QuantizedAllGather"]
 
@@ -41,7 +41,7 @@ class _Deferred:
         return self._finish is None
 
 
-class QuantizedAllGather(AllGather):
+class QuantizedAllGather(FreshBuffers, AllGather):
     """All-gather through int8 with per-block absmax scales.
 
     Args:
@@ -56,9 +56,6 @@ class QuantizedAllGather(AllGather):
         # Bytes this instance has sent and would have sent uncompressed, for benchmarks.
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,

@@ -18,7 +18,12 @@ from shardwise._engine.module_state import ModuleState, state_of, states_under
 from shardwise._engine.param_group import ParamGroup
 from shardwise._engine.sharded_param import ShardedParam
 from shardwise.comm import AllGather, ReduceScatter
-from shardwise.errors import AlreadyShardedError, ConfigError, ConfigTypeError, UnsupportedError
+from shardwise.errors import (
+    AlreadyShardedError,
+    ConfigError,
+    ConfigTypeError,
+    UnsupportedError,
+)
 from shardwise.mesh import (
     MeshInfo,
     default_mesh,

@@ -243,10 +243,6 @@ class ShardedParam:
         for module, name in self.owners:
             module._parameters[name] = self.unsharded_param
 
-    @property
-    def local_shard(self) -> torch.Tensor:
-        return local_of(self.sharded_param)
-
     # ---- unsharded side -----------------------------------------------------
     def ensure_unsharded(self, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
         """The unsharded parameter with storage allocated (contents undefined)."""

@@ -12,14 +12,14 @@ skips their CUDA-only ``record_stream`` call on other devices.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._comm_hooks import default_hooks
 
-from shardwise.comm import ReduceScatter
+from shardwise.comm import FreshBuffers, ReduceScatter
 
 __all__ = ["CommHookReduceScatter", "CommHookAllReduce"]
 
@@ -63,16 +63,13 @@ class CommHookAllReduce:
         return None
 
 
-class CommHookReduceScatter(ReduceScatter):
+class CommHookReduceScatter(FreshBuffers, ReduceScatter):
     """Run a PyTorch FSDP sharded-strategy communication hook as the engine's
     reduce-scatter (synchronously: the hook issues its own collectives)."""
 
     def __init__(self, hook: Callable[..., Any], state: object) -> None:
         self.hook = hook
         self.state = state
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,

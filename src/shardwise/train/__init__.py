@@ -11,6 +11,13 @@ line, on one machine (``--nproc`` local ranks) or many (``torchrun``).
 """
 
 from shardwise.train.config import TrainConfig, load_toml, resolve
-from shardwise.train.launch import Plan, World, dry_run, launch, preflight, torchrun_world
+from shardwise.train.launch import (
+    Plan,
+    World,
+    dry_run,
+    launch,
+    preflight,
+    torchrun_world,
+)
 
 __all__ = ["Plan", "TrainConfig", "World", "dry_run", "launch", "load_toml", "preflight", "resolve", "torchrun_world"]

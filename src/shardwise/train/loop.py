@@ -35,8 +35,15 @@ from shardwise.train.data import Batches
 from shardwise.train.launch import Plan, estimates
 from shardwise.train.model import BuiltModel, build_model, shard_model
 from shardwise.train.plot import Panel, write_plot
-from shardwise.train.report import Progress, RankStats, current_memory, fmt_bytes, fmt_duration, peak_memory
-from shardwise.train.report import summary_table
+from shardwise.train.report import (
+    Progress,
+    RankStats,
+    current_memory,
+    fmt_bytes,
+    fmt_duration,
+    peak_memory,
+    summary_table,
+)
 from shardwise.train.schedule import learning_rate
 
 __all__ = ["run_rank", "state_bytes", "train"]
