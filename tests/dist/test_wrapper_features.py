@@ -383,16 +383,28 @@ def test_clip_grad_norm_returns_the_total_norm(strategy, norm_type):
 
 
 # ---- communication hooks --------------------------------------------------------------------
-@pytest.mark.parametrize("hook_name", ["reduce_scatter_hook", "bf16_compress_hook", "fp16_compress_hook"])
+@pytest.mark.parametrize(
+    "strategy,hook_name",
+    [
+        ("FULL_SHARD", "reduce_scatter_hook"),
+        ("FULL_SHARD", "bf16_compress_hook"),
+        ("FULL_SHARD", "fp16_compress_hook"),
+        ("NO_SHARD", "allreduce_hook"),
+        ("NO_SHARD", "bf16_compress_hook"),
+        ("NO_SHARD", "fp16_compress_hook"),
+    ],
+)
 @multi_rank(world_sizes=(2,))
-def test_comm_hooks_from_pytorch(hook_name):
-    """PyTorch's default hooks run as the engine's reduce-scatter, once per
-    group per step: the plain one trains exactly like the reference, the
-    compressing ones give the reference's gradients up to half precision
-    (and not exactly: the reduction really ran in 16 bits)."""
+def test_comm_hooks_from_pytorch(strategy, hook_name):
+    """PyTorch's default hooks run as the engine's reduce-scatter (sharded
+    strategies, hook(state, grad, output)) or as its all-reduce across replicas
+    (NO_SHARD, hook(state, grad)): the plain hooks train exactly like the
+    reference, the compressing ones give the reference's gradients up to half
+    precision (and not exactly: the reduction really ran in 16 bits)."""
     from torch.distributed.algorithms._comm_hooks import default_hooks
 
-    from shardwise.compat.comm_hooks import CommHookReduceScatter
+    import shardwise
+    from shardwise.compat.comm_hooks import CommHookAllReduce, CommHookReduceScatter
     from shardwise.models import GPT, synthetic_batch
     from shardwise.testing import full_tensor, replicate_grads
     from shardwise.testing.training import parity_train
@@ -400,22 +412,24 @@ def test_comm_hooks_from_pytorch(hook_name):
     model, cfg = _gpt()
     calls = []
     hook = getattr(default_hooks, hook_name)
-    state_cls = default_hooks.DefaultState if hook_name == "reduce_scatter_hook" else default_hooks.LowPrecisionState
+    plain = hook_name in ("reduce_scatter_hook", "allreduce_hook")
+    state_cls = default_hooks.DefaultState if plain else default_hooks.LowPrecisionState
+    adapter = CommHookAllReduce if strategy == "NO_SHARD" else CommHookReduceScatter
 
     def shard(m):
-        w = _wrap_gpt(m)
+        w = _wrap_gpt(m, sharding_strategy=getattr(shardwise.ShardingStrategy, strategy))
         w.register_comm_hook(state_cls(w.process_group), hook)
         return w
 
-    orig = CommHookReduceScatter.__call__
+    orig = adapter.__call__
 
     def counted(self, *args, **kwargs):
         calls.append(self.hook)
         return orig(self, *args, **kwargs)
 
-    CommHookReduceScatter.__call__ = counted
+    adapter.__call__ = counted
     try:
-        if hook_name == "reduce_scatter_hook":
+        if plain:
             parity_train(
                 lambda: copy.deepcopy(model), shard, lambda s, r: synthetic_batch(cfg, 3, seed=s, rank=r),
                 GPT.loss, steps=2,
@@ -433,8 +447,11 @@ def test_comm_hooks_from_pytorch(hook_name):
                 exact = exact and torch.equal(got, q.grad)
             assert not exact
     finally:
-        CommHookReduceScatter.__call__ = orig
-    assert calls == [hook] * (6 if hook_name == "reduce_scatter_hook" else 3)  # 3 groups per step
+        adapter.__call__ = orig
+    if strategy == "FULL_SHARD":
+        assert calls == [hook] * (6 if plain else 3)  # 3 groups per step
+    else:
+        assert calls and set(calls) == {hook}
 
 
 @multi_rank(world_sizes=(2,))
@@ -455,58 +472,6 @@ def test_comm_hook_errors():
     hybrid_free.register_comm_hook(default_hooks.DefaultState(hybrid_free.process_group), default_hooks.allreduce_hook)
 
 
-@pytest.mark.parametrize("hook_name", ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"])
-@multi_rank(world_sizes=(2,))
-def test_no_shard_comm_hooks_from_pytorch(hook_name):
-    """NO_SHARD hooks (hook(state, grad), an all-reduce) run as the engine's
-    replicate all-reduce: allreduce_hook trains exactly like the reference;
-    the compressing hooks give its gradients up to half precision."""
-    from torch.distributed.algorithms._comm_hooks import default_hooks
-
-    import shardwise
-    from shardwise.compat.comm_hooks import CommHookAllReduce
-    from shardwise.models import GPT, synthetic_batch
-    from shardwise.testing import full_tensor, replicate_grads
-    from shardwise.testing.training import parity_train
-
-    model, cfg = _gpt()
-    hook = getattr(default_hooks, hook_name)
-    state_cls = default_hooks.DefaultState if hook_name == "allreduce_hook" else default_hooks.LowPrecisionState
-    calls = []
-
-    def shard(m):
-        w = _wrap_gpt(m, sharding_strategy=shardwise.ShardingStrategy.NO_SHARD)
-        w.register_comm_hook(state_cls(w.process_group), hook)
-        return w
-
-    orig = CommHookAllReduce.__call__
-
-    def counted(self, *args, **kwargs):
-        calls.append(self.hook)
-        return orig(self, *args, **kwargs)
-
-    CommHookAllReduce.__call__ = counted
-    try:
-        if hook_name == "allreduce_hook":
-            parity_train(
-                lambda: copy.deepcopy(model), shard, lambda s, r: synthetic_batch(cfg, 3, seed=s, rank=r),
-                GPT.loss, steps=2,
-            )
-        else:
-            ref = copy.deepcopy(model)
-            w = shard(model)
-            for m in (w, ref):
-                _loss(m, cfg).backward()
-            replicate_grads(ref)
-            exact = True
-            for (name, p), q in zip(w.named_parameters(), ref.parameters()):
-                got = full_tensor(p.grad)
-                torch.testing.assert_close(got, q.grad, rtol=2e-2, atol=2e-2 * float(q.grad.abs().max()), msg=name)
-                exact = exact and torch.equal(got, q.grad)
-            assert not exact
-    finally:
-        CommHookAllReduce.__call__ = orig
-    assert calls and set(calls) == {hook}
 
 
 # ---- module surface and errors ----------------------------------------------------------------
