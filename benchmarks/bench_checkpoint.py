@@ -42,7 +42,6 @@ import datetime
 import importlib.util
 import json
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import free_port, run_repeats, write_json
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if importlib.util.find_spec("shardwise") is None:  # not pip-installed: use the source tree
@@ -67,13 +67,6 @@ BASELINE = "torch_fsdp"
 PHASES = ("save", "load", "export")
 MIB = 2**20
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def release_free_memory() -> None:
@@ -308,21 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.nproc} ranks (gloo, CPU, 1 thread each); {args.repeats} repeat(s); torch {torch.__version__}",
         flush=True,
     )
-    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in args.configs}
-    for rep in range(args.repeats):
-        for config in args.configs:
-            if runs[config] and "error" in runs[config][-1]:
-                continue
-            t0 = time.perf_counter()
-            runs[config].append(run_config(config, args))
-            status = runs[config][-1].get("error", "ok")
-            print(f"  repeat {rep + 1}/{args.repeats} {config}: {status} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    runs = run_repeats(args, run_config)
     summary = {c: summarise(r) for c, r in runs.items()}
     print(format_table(summary))
     if args.json:
-        args.json.write_text(json.dumps(
-            {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-             "torch": torch.__version__, "summary": summary, "runs": runs}, indent=2))
+        write_json(args.json, args, summary, runs)
     return 1 if any("error" in s for s in summary.values()) else 0
 
 

@@ -42,7 +42,6 @@ import datetime
 import importlib.util
 import json
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import free_port, run_repeats, write_json
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if importlib.util.find_spec("shardwise") is None:  # not pip-installed: use the source tree
@@ -70,13 +70,6 @@ except Exception:  # noqa: BLE001 - the package itself is broken: load the model
 CONFIGS = ("shardwise", "torch_fsdp", "ddp", "local", "shardwise_int8")
 BASELINE = "torch_fsdp"
 MIB = 2**20
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -314,22 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.repeats} repeat(s); torch {torch.__version__}",
         flush=True,
     )
-    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in args.configs}
-    for rep in range(args.repeats):
-        for config in args.configs:
-            if runs[config] and "error" in runs[config][-1]:
-                continue  # failed before: don't retry every repeat
-            t0 = time.perf_counter()
-            runs[config].append(run_config(config, args))
-            status = runs[config][-1].get("error", "ok")
-            print(f"  repeat {rep + 1}/{args.repeats} {config}: {status} "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    runs = run_repeats(args, run_config)
     summary = {c: summarise(r) for c, r in runs.items()}
     print(format_table(summary))
     if args.json:
-        args.json.write_text(json.dumps(
-            {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-             "torch": torch.__version__, "summary": summary, "runs": runs}, indent=2))
+        write_json(args.json, args, summary, runs)
     failed = [c for c, s in summary.items() if s.get("error", "").startswith("failed")]
     return 1 if failed else 0  # an "unavailable" config is reported, not a failure
 

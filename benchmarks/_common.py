@@ -1,0 +1,46 @@
+"""What the benchmark scripts share: a free port for each set of ranks, the
+repeat loop over configurations, and the JSON record."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_repeats(
+    args: argparse.Namespace, run_config: Callable[[str, argparse.Namespace], dict[str, Any]]
+) -> dict[str, list[dict[str, Any]]]:
+    """Run every config ``args.repeats`` times, interleaved (so that machine
+    noise spreads over all of them); a config that failed is not retried."""
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in args.configs}
+    for rep in range(args.repeats):
+        for config in args.configs:
+            if runs[config] and "error" in runs[config][-1]:
+                continue
+            t0 = time.perf_counter()
+            runs[config].append(run_config(config, args))
+            status = runs[config][-1].get("error", "ok")
+            print(f"  repeat {rep + 1}/{args.repeats} {config}: {status} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    return runs
+
+
+def write_json(path: Path, args: argparse.Namespace, summary: dict[str, Any], runs: dict[str, Any]) -> None:
+    """The arguments, torch version, summary and every run, as JSON."""
+    path.write_text(json.dumps(
+        {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+         "torch": torch.__version__, "summary": summary, "runs": runs}, indent=2))
