@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 
 class Block(nn.Module):
@@ -51,3 +52,52 @@ def _pt():
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard
+
+
+def _mp(**kw):
+    """The same MixedPrecisionPolicy for (shardwise, PyTorch)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as PT
+
+    from shardwise import MixedPrecisionPolicy as SW
+
+    return SW(**kw), PT(**kw)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _grads(model):
+    return {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_equal(a, b):
+    """Same parameters with gradients, same gradient dtypes and values."""
+    ga, gb = _grads(a), _grads(b)
+    assert ga.keys() == gb.keys(), (sorted(ga), sorted(gb))
+    for k in ga:
+        assert ga[k].dtype == gb[k].dtype, (k, ga[k].dtype, gb[k].dtype)
+        torch.testing.assert_close(ga[k], gb[k], msg=k)
+
+
+def _param_types(model):
+    return {n: "DTensor" if isinstance(p, DTensor) else type(p).__name__ for n, p in model.named_parameters()}
+
+
+def _step_both(a, b, x, loss=lambda out: out.float().sum()):
+    """Forward both on ``x`` (same output dtype and values), then backward."""
+    oa, ob = a(x), b(x)
+    assert oa.dtype == ob.dtype, (oa.dtype, ob.dtype)
+    torch.testing.assert_close(oa, ob)
+    loss(oa).backward()
+    loss(ob).backward()
+
+
+def _train_compare(a, b, steps=2):
+    """``steps`` steps on both: same outputs, gradients and registered parameter types."""
+    for it in range(steps):
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        assert _param_types(a) == _param_types(b)
+        for m in (a, b):
+            m.zero_grad()

@@ -10,7 +10,17 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from fsdp_reference import Net, _pt, _sw, _x  # noqa: E402  (shared with the other review file)
+from fsdp_reference import (  # noqa: E402  (shared with the other review file)
+    Net,
+    _assert_grads_equal,
+    _mp,
+    _param_types,
+    _pt,
+    _step_both,
+    _sw,
+    _train_compare,
+    _x,
+)
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.testing import multi_rank
@@ -28,18 +38,6 @@ def _both(make=Net, **kw):
     return a, b
 
 
-def _grads(model):
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()
-            if p.grad is not None}
-
-
-def _assert_grads_equal(a, b):
-    ga, gb = _grads(a), _grads(b)
-    assert ga.keys() == gb.keys(), (sorted(ga), sorted(gb))
-    for k in ga:
-        torch.testing.assert_close(ga[k], gb[k], msg=k)
-
-
 def _raises(exc, fn, match=None):
     """Name of the exception ``fn`` raised if it is an ``exc``, else what happened."""
     try:
@@ -51,10 +49,6 @@ def _raises(exc, fn, match=None):
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return "no error"
-
-
-def _param_types(model):
-    return {n: type(p).__name__ if not isinstance(p, DTensor) else "DTensor" for n, p in model.named_parameters()}
 
 
 # ---------------------------------------------------------------------------
@@ -153,14 +147,6 @@ def test_sequential_slice_is_plain_class():
         fs_get()(seq)
         sub = seq[0:2]
         assert type(sub) is nn.Sequential, type(sub)
-
-
-def _step_both(a, b, x, loss=lambda out: out.sum()):
-    la = loss(a(x))
-    lb = loss(b(x))
-    torch.testing.assert_close(la, lb)
-    la.backward()
-    lb.backward()
 
 
 # After `set_is_last_backward(False)` PyTorch (on CPU) still installs every
@@ -353,14 +339,6 @@ def test_param_and_grad_metadata_match_torch(dim):
     _step_both(a, b, x)
     assert _meta(a) == _meta(b)
     _assert_grads_equal(a, b)
-
-
-def _mp(**kw):
-    from torch.distributed.fsdp import MixedPrecisionPolicy as PT
-
-    from shardwise import MixedPrecisionPolicy as SW
-
-    return SW(**kw), PT(**kw)
 
 
 def _both_mp(make=Net, root_kw=None, block_kw=None):
@@ -656,12 +634,7 @@ class CkptNet(Net):
 def test_activation_checkpointing_matches_torch(reentrant):
     a, b = _both(CkptNet)
     a.reentrant = b.reentrant = reentrant
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        assert _param_types(a) == _param_types(b)
-        for m in (a, b):
-            m.zero_grad()
+    _train_compare(a, b)
 
 
 # Composable checkpoint applied to blocks before fully_shard (the torchtitan way).

@@ -14,18 +14,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from fsdp_reference import Block, Net, _pt, _sw, _x  # noqa: E402  (shared with the other review file)
+from fsdp_reference import (  # noqa: E402  (shared with the other review file)
+    Block,
+    Net,
+    _assert_grads_equal,
+    _full,
+    _mp,
+    _param_types,
+    _pt,
+    _step_both,
+    _sw,
+    _train_compare,
+    _x,
+)
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.testing import multi_rank
-
-
-def _mp(**kw):
-    from torch.distributed.fsdp import MixedPrecisionPolicy as PT
-
-    from shardwise import MixedPrecisionPolicy as SW
-
-    return SW(**kw), PT(**kw)
 
 
 def _both(make=Net, root_kw=None, block_kw=None, mp_root=None, mp_block=None):
@@ -46,22 +50,6 @@ def _both(make=Net, root_kw=None, block_kw=None, mp_root=None, mp_block=None):
     return a, b
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _grads(model):
-    return {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _assert_grads_equal(a, b):
-    ga, gb = _grads(a), _grads(b)
-    assert ga.keys() == gb.keys(), (sorted(ga), sorted(gb))
-    for k in ga:
-        assert ga[k].dtype == gb[k].dtype, (k, ga[k].dtype, gb[k].dtype)
-        torch.testing.assert_close(ga[k], gb[k], msg=k)
-
-
 def _assert_params_equal(a, b):
     for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(_full(pa), _full(pb), msg=n)
@@ -78,18 +66,6 @@ def _outcome(fn):
     except Exception as e:  # noqa: BLE001
         return "|".join(c.__name__ for c in _BUILTIN if isinstance(e, c)) or type(e).__name__
     return "ok"
-
-
-def _step_both(a, b, x, loss=lambda out: out.float().sum()):
-    oa, ob = a(x), b(x)
-    assert oa.dtype == ob.dtype, (oa.dtype, ob.dtype)
-    torch.testing.assert_close(oa, ob)
-    loss(oa).backward()
-    loss(ob).backward()
-
-
-def _param_types(model):
-    return {n: "DTensor" if isinstance(p, DTensor) else type(p).__name__ for n, p in model.named_parameters()}
 
 
 # ---------------------------------------------------------------------------
@@ -657,12 +633,7 @@ def test_explicit_prefetch_out_of_order():
         m.blocks[3].set_modules_to_backward_prefetch([blks[0], blks[2], blks[1]])
         m.blocks[2].set_modules_to_backward_prefetch([blks[3]])
         m.set_modules_to_forward_prefetch([blks[2]])
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        assert _param_types(a) == _param_types(b)
-        for m in (a, b):
-            m.zero_grad()
+    _train_compare(a, b)
 
 
 # CPU offload together with mixed precision.
