@@ -464,6 +464,13 @@ def fully_shard(
     ignored = _check_ignored(ignored_params)
     conflicts: list[str] = []
     collected = _collect_params(modules, ignored, conflicts)
+    dtypes = {p.dtype for p, _, _ in collected}
+    if len(dtypes) > 1 and mp_policy.param_dtype is None:
+        raise ConfigError(
+            f"a fully_shard group all-gathers in one dtype, but its parameters have {sorted(map(str, dtypes))} "
+            f"({', '.join(f'{fqn}: {p.dtype}' for p, _, fqn in collected[:4])}, ...). Give them one dtype, "
+            "set MixedPrecisionPolicy(param_dtype=...), or shard the differing modules separately."
+        )
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     storage_device = torch.device("cpu") if offload else info.device
     params = _make_sharded_params(collected, info, shard_placement_fn, storage_device)

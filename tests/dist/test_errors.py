@@ -115,3 +115,16 @@ def test_deepcopy_of_a_sharded_module_is_refused():
 
     m = fully_shard(nn.Linear(4, 4))
     _raises(AssertionError, "cannot be deep-copied", copy.deepcopy, m)
+
+
+@multi_rank(world_sizes=(2,))
+def test_mixed_parameter_dtypes_in_one_group():
+    from shardwise import MixedPrecisionPolicy, fully_shard
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+    _raises(ValueError, "all-gathers in one dtype", fully_shard, m)
+    assert type(m[0].weight) is nn.Parameter  # untouched
+    # with a param_dtype every shard is cast to it before the gather: allowed
+    fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    m(torch.randn(2, 4)).sum().backward()
+    assert m[1].weight.dtype == torch.float64 and m[1].weight.grad.dtype == torch.float64

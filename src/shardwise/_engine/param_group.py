@@ -271,9 +271,8 @@ class ParamGroup:
                         self.subgroup.group, self._post_forward_data.dtype, self.device, self.name, True,
                     )
                 else:
+                    # One dtype per group (fully_shard checks it): the first's is everyone's.
                     dtype = dtype or self.gather_dtype(self.params[0])
-                    if any((dtype or self.gather_dtype(p)) != dtype for p in self.params):
-                        raise AssertionError(f"{self.name}: parameters of one group gather in one dtype")
                     self._in_flight = coll.start_all_gather(
                         self.all_gather_comm, [p.sharded_data for p in self.params], self.flat_sharded,
                         [p.layout for p in self.params], self.info.shard_group, dtype, self.device,
