@@ -14,9 +14,10 @@ root's final callback, queued at the first pre-backward of each backward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -29,8 +30,23 @@ from shardwise.policies import MixedPrecisionPolicy
 
 from .param_group import IterationContext, ParamGroup, TrainingState
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 # module -> its state; weak so that dropping a model frees everything.
 _STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
+
+
+def dynamo_disable(fn: F) -> F:
+    """Run ``fn`` eagerly, outside any graph ``torch.compile`` traces (as
+    PyTorch's FSDP does with its hooks): collectives, storage resizing and
+    Python bookkeeping stay out of the compiled region; the block's compute is
+    one graph. See docs/decisions.md ("torch.compile")."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return torch._dynamo.disable(fn, recursive=True)(*args, **kwargs)
+
+    return cast(F, wrapper)
 
 
 def state_of(module: nn.Module) -> ModuleState | None:
@@ -178,6 +194,7 @@ class ModuleState:
             self.group.set_reshard_after_forward(False)
 
     # ---- forward --------------------------------------------------------------
+    @dynamo_disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if len(self.modules) > 1:
             if self._modules_to_run:
@@ -185,6 +202,7 @@ class ModuleState:
             self._modules_to_run = {id(m) for m in self.modules}
         return self.pre_forward(args, kwargs)
 
+    @dynamo_disable
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if len(self.modules) > 1:
             self._modules_to_run.discard(id(module))
@@ -246,6 +264,7 @@ class ModuleState:
         return new_args, new_kwargs
 
     # ---- backward -------------------------------------------------------------
+    @dynamo_disable
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
         if not ctx.final_callback_queued and ctx.root is not None:
@@ -259,6 +278,7 @@ class ModuleState:
         if self.group is not None:
             self.group.post_backward()
 
+    @dynamo_disable
     def finalize_backward(self) -> None:
         """The root's end-of-backward callback: every group under the root."""
         ctx = self.ctx
