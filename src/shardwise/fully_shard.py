@@ -435,19 +435,14 @@ def fully_shard(
         offload_policy: ``CPUOffloadPolicy()`` keeps shards, gradients and
             optimizer state on the CPU. (Default: ``OffloadPolicy()``: none)
         ignored_params: parameters left unsharded and unmanaged. (Default: ``None``)
-        dp_mesh_dims: PyTorch 2.13's named data-parallel dims of a larger SPMD
-            mesh; not supported yet (pass the data-parallel sub-mesh as ``mesh``).
-            (Default: ``None``)
+        dp_mesh_dims: a :class:`DataParallelMeshDims` (or PyTorch's): ``mesh``
+            is then the whole SPMD mesh, parameters are DTensors on it with
+            ``Replicate()`` on these dims, and FSDP shards over ``shard`` (and
+            all-reduces over ``replicate``). One name each. (Default: ``None``)
 
     Returns:
         ``module`` itself (now also an ``FSDPModule``).
     """
-    if dp_mesh_dims is not None:
-        raise UnsupportedError(
-            "fully_shard(dp_mesh_dims=...) is not supported yet; pass the data-parallel "
-            "sub-mesh instead, e.g. mesh=world_mesh['dp'] (1-D) or "
-            "world_mesh['dp_replicate', 'dp_shard'] (2-D, HSDP)."
-        )
     modules = _check_modules(module)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ConfigTypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
@@ -458,18 +453,30 @@ def fully_shard(
             "reshard_after_forward should be a bool, None, or an int giving the group size to "
             f"reshard to after forward, not {reshard_after_forward!r}."
         )
-    info = mesh_info(mesh if mesh is not None else default_mesh())
+    info = mesh_info(mesh if mesh is not None else default_mesh(), dp_mesh_dims)
     auto = reshard_after_forward is None
+    if info.spmd_mesh is not None and not isinstance(reshard_after_forward, bool) and isinstance(
+        reshard_after_forward, int
+    ):
+        raise UnsupportedError(
+            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims); "
+            "pass True or False."
+        )
     raf = resolve_reshard_after_forward(True if auto else reshard_after_forward, info)
     ignored = _check_ignored(ignored_params)
     conflicts: list[str] = []
-    collected = _collect_params(modules, ignored, conflicts)
-    dtypes = {p.dtype for p, _, _ in collected}
+    collected = _collect_params(modules, ignored, conflicts, None if info.spmd_mesh is not None else info.mesh)
+    trainable = [(p, fqn) for p, _, fqn in collected if p.requires_grad]
+    dtypes = {p.dtype for p, _ in trainable}
     if len(dtypes) > 1 and mp_policy.param_dtype is None:
+        # Frozen parameters may differ (a bf16 base under fp32 adapters): the
+        # group then all-gathers each in its own dtype, packed as bytes.
         raise ConfigError(
-            f"a fully_shard group all-gathers in one dtype, but its parameters have {sorted(map(str, dtypes))} "
-            f"({', '.join(f'{fqn}: {p.dtype}' for p, _, fqn in collected[:4])}, ...). Give them one dtype, "
-            "set MixedPrecisionPolicy(param_dtype=...), or shard the differing modules separately."
+            f"FSDP expects uniform original parameter dtype but got {sorted(map(str, dtypes))} among "
+            f"the trainable parameters of one fully_shard group "
+            f"({', '.join(f'{fqn}: {p.dtype}' for p, fqn in trainable[:4])}, ...). Give them one "
+            "dtype, set MixedPrecisionPolicy(param_dtype=...), freeze the odd ones, or shard the "
+            "differing modules separately."
         )
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     storage_device = torch.device("cpu") if offload else info.device
@@ -554,8 +561,21 @@ def _check_ignored(ignored_params: Any) -> set[int]:
 Collected = tuple[nn.Parameter, list[tuple[nn.Module, str]], str]
 
 
+def _on_data_parallel_mesh(p: DTensor, dp_mesh: DeviceMesh | None) -> bool:
+    """Whether a DTensor parameter already uses the data-parallel mesh (sharded
+    by fully_shard applied top-down) rather than a tensor-parallel one. With
+    ``dp_mesh_dims`` (``dp_mesh`` None) parameters live on the whole mesh."""
+    if dp_mesh is None:
+        return False
+    mesh = p.device_mesh
+    if mesh == dp_mesh:
+        return True
+    names, dp_names = mesh.mesh_dim_names, dp_mesh.mesh_dim_names
+    return names is None or dp_names is None or bool(set(names) & set(dp_names))
+
+
 def _collect_params(
-    modules: tuple[nn.Module, ...], ignored: set[int], conflicts: list[str]
+    modules: tuple[nn.Module, ...], ignored: set[int], conflicts: list[str], dp_mesh: DeviceMesh | None = None
 ) -> list[Collected]:
     """Parameters of ``modules`` not owned by a nested fully_shard, with every
     place each is registered; validated before anything is changed. Parameters
@@ -576,7 +596,7 @@ def _collect_params(
             if id(p) in found:
                 found[id(p)][1].append((mod, name))
                 continue
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and _on_data_parallel_mesh(p, dp_mesh):
                 raise ConfigError(
                     f"parameter {fqn!r} is already a DTensor (already sharded): apply fully_shard "
                     "bottom-up (inner modules first, then their parents), once per module."
@@ -644,14 +664,16 @@ def _make_sharded_params(
                         f"shard_placement_fn returned Shard({placement.dim}) for {fqn} of shape "
                         f"{tuple(p.shape)}; the dim must be in [-{p.ndim}, {p.ndim})."
                     )
-                if dim != 0 and p.shape[dim] % info.shard_size != 0:
+                local_shape = (p._local_tensor if isinstance(p, DTensor) else p).shape
+                if dim != 0 and local_shape[dim] % info.shard_size != 0:
                     raise UnsupportedError(
                         f"FSDP does not support uneven sharding on dim {dim}: {fqn} has shape "
                         f"{tuple(p.shape)} and the shard group has {info.shard_size} ranks (as in "
                         "PyTorch). Shard it on dim 0, or on a dim its size divides evenly."
                     )
         sp = ShardedParam(p, owners, info, dim, fqn)
-        if p.device.type != "meta" and p.device != storage_device:
-            sp.sharded_param = nn.Parameter(p.detach().to(storage_device), requires_grad=p.requires_grad)
+        src = sp.initial_source
+        if src is not None and src.device.type != "meta" and src.device != storage_device:
+            sp.initial_source = src.detach().to(storage_device)
         params.append(sp)
     return params

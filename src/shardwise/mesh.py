@@ -12,9 +12,53 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from shardwise.errors import ConfigError, ConfigTypeError
+from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError
 
-__all__ = ["MeshInfo", "SubgroupInfo", "default_mesh", "mesh_info", "post_forward_subgroup"]
+__all__ = [
+    "DataParallelMeshDims",
+    "MeshInfo",
+    "SubgroupInfo",
+    "default_mesh",
+    "join_meshes",
+    "mesh_info",
+    "post_forward_subgroup",
+]
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which named dims of a whole SPMD mesh are data parallel, for
+    ``fully_shard(module, mesh=spmd_mesh, dp_mesh_dims=...)`` (as PyTorch 2.13
+    defines it): parameters are DTensors on that mesh with ``Replicate()`` on
+    these dims; FSDP shards over ``shard`` and all-reduces over ``replicate``
+    (HSDP). PyTorch's own ``DataParallelMeshDims`` is accepted too.
+
+    Args:
+        shard: the mesh dim name FSDP shards over. (Default: ``None``)
+        replicate: the mesh dim name gradients are all-reduced over (HSDP).
+            (Default: ``None``)
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ConfigError("At least one of shard or replicate must be set in DataParallelMeshDims")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 @dataclass(frozen=True)
@@ -29,6 +73,22 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
     device: torch.device
+    # dp_mesh_dims: the whole SPMD mesh parameters live on, the indices of its
+    # data-parallel dims, and the index of the one FSDP shards over.
+    spmd_mesh: DeviceMesh | None = None
+    spmd_dp_dims: frozenset[int] = frozenset()
+    spmd_shard_dim: int = -1
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard group (what all-gather extensions receive)."""
+        if self.spmd_mesh is not None:
+            names = self.spmd_mesh.mesh_dim_names or ()
+            return self.spmd_mesh[names[self.spmd_shard_dim]]
+        if self.mesh.ndim == 1:
+            return self.mesh
+        names = self.mesh.mesh_dim_names or ()
+        return self.mesh[names[-1]]
 
     @property
     def dp_size(self) -> int:
@@ -68,13 +128,82 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(_device_type_for_backend(), (dist.get_world_size(),))
 
 
-def mesh_info(mesh: DeviceMesh) -> MeshInfo:
+def _device_of(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _spmd_mesh_info(mesh: DeviceMesh, dims: object) -> MeshInfo:
+    """MeshInfo for ``dp_mesh_dims``: ``mesh`` is the whole SPMD mesh."""
+    shard = _names(getattr(dims, "shard", None))
+    replicate = _names(getattr(dims, "replicate", None))
+    if not shard and not replicate:
+        raise ConfigError("At least one of shard or replicate must be set in dp_mesh_dims")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ConfigError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    for name in (*shard, *replicate):
+        if name not in names:
+            raise ConfigError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
+    if len(shard) != 1 or len(replicate) > 1:
+        raise UnsupportedError(
+            f"dp_mesh_dims with shard={shard} and replicate={replicate}: shardwise shards over "
+            "exactly one named dim and replicates over at most one; flatten several dims into "
+            "one first (mesh[('a', 'b')]._flatten('dp')) or pass mesh=the data-parallel sub-mesh."
+        )
+    s_idx = names.index(shard[0])
+    r_idx = names.index(replicate[0]) if replicate else None
+    shard_mesh = mesh[shard[0]]
+    return MeshInfo(
+        mesh=shard_mesh if r_idx is None else mesh[(replicate[0], shard[0])],
+        shard_group=shard_mesh.get_group(0),
+        shard_size=shard_mesh.size(0),
+        shard_rank=shard_mesh.get_local_rank(0),
+        replicate_group=None if r_idx is None else mesh[replicate[0]].get_group(0),
+        replicate_size=1 if r_idx is None else mesh.size(r_idx),
+        device=_device_of(mesh),
+        spmd_mesh=mesh,
+        spmd_dp_dims=frozenset({s_idx} | ({r_idx} if r_idx is not None else set())),
+        spmd_shard_dim=s_idx,
+    )
+
+
+def join_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of a sharded tensor-parallel parameter: the data-parallel dims
+    followed by the TP dims, both sliced from one root mesh."""
+    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    if dp_names is None or tp_names is None or set(dp_names) & set(tp_names):
+        raise ConfigError(
+            f"a tensor-parallel parameter lives on mesh {tp_mesh} and fully_shard got mesh "
+            f"{dp_mesh}: both must be named, disjoint slices of one mesh, e.g. "
+            "mesh = init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', 'tp')); TP on "
+            "mesh['tp'], fully_shard(..., mesh=mesh['dp'])."
+        )
+    concat = getattr(DeviceMesh, "_concatenate", None)
+    try:
+        if concat is not None:
+            joined: DeviceMesh = concat([dp_mesh, tp_mesh])
+        else:  # older torch: slice the root mesh by name
+            root = dp_mesh._get_root_mesh()
+            joined = root[(*dp_names, *tp_names)]
+    except Exception as exc:
+        raise ConfigError(
+            f"fully_shard's mesh {dp_mesh} and the tensor-parallel mesh {tp_mesh} are not slices "
+            f"of one mesh ({exc}). Slice both from the same init_device_mesh(...)."
+        ) from exc
+    return joined
+
+
+def mesh_info(mesh: DeviceMesh, dp_mesh_dims: object = None) -> MeshInfo:
     """Validate ``mesh`` and describe its shard / replicate groups."""
     if not isinstance(mesh, DeviceMesh):
         raise ConfigTypeError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
             f"{type(mesh).__name__}. Build one with init_device_mesh(...)."
         )
+    if dp_mesh_dims is not None:
+        return _spmd_mesh_info(mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):
         raise ConfigError(
             f"fully_shard expects a 1-D mesh (shard) or a 2-D mesh (replicate, shard), "
@@ -94,10 +223,7 @@ def mesh_info(mesh: DeviceMesh) -> MeshInfo:
             f"mesh has {mesh.size()} ranks but the world has only {world}; build the "
             "mesh from the ranks that exist."
         )
-    if mesh.device_type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device(mesh.device_type)
+    device = _device_of(mesh)
     if mesh.ndim == 1:
         group = mesh.get_group(0)
         return MeshInfo(mesh, group, mesh.size(0), mesh.get_local_rank(0), None, 1, device)

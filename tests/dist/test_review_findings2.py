@@ -768,11 +768,6 @@ class MLP(nn.Module):
         return self.out_proj(F.relu(self.in_proj(x)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: fully_shard over tensor-parallel DTensor parameters (2-D FSDP + TP) "
-    "is refused; the engine shards only plain tensors so far",
-)
 @pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
 @multi_rank(world_sizes=(2,))
 def test_fsdp_with_tensor_parallel(shape):
@@ -851,11 +846,6 @@ def _two_post(self, outputs, metadata, param_dtype, *, out=None):
     return TwoTensor(a, b), (a, b)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: the fsdp_pre_all_gather / fsdp_post_all_gather tensor-subclass "
-    "extension hooks are not called yet",
-)
 @multi_rank(world_sizes=(2,))
 def test_all_gather_extensions_are_called():
     from torch.testing._internal.two_tensor import TwoTensor

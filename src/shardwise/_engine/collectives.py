@@ -37,6 +37,19 @@ class AllGatherResult(NamedTuple):
     offsets: list[int]  # computed once at the start, reused at the finish
 
 
+class PackedGatherResult(NamedTuple):
+    """An all-gather of tensors of several dtypes (or from all-gather
+    extensions) in flight: one collective, over one buffer of their common
+    dtype or, when dtypes differ, of bytes."""
+
+    output: torch.Tensor  # [num_shards, row] in the buffer's dtype
+    work: WorkHandle | None
+    input: torch.Tensor
+    offsets: list[int]  # where each input starts in a row, in buffer elements
+    numels: list[int]  # each input's elements
+    dtypes: list[torch.dtype]
+
+
 class ReduceScatterResult(NamedTuple):
     """A gradient reduce-scatter in flight."""
 
@@ -73,6 +86,69 @@ def allocate(
             "what was asked for."
         )
     return buf.view(-1)
+
+
+def _group_size(group: dist.ProcessGroup) -> int:
+    return int(group.size())
+
+
+def communicates(comm: Comm, group: dist.ProcessGroup) -> bool:
+    """Whether a collective must be issued: a one-rank shard group with our own
+    collectives needs none (NO_SHARD, HSDP with shard size 1), as in PyTorch."""
+    return not (is_default(comm) and _group_size(group) == 1)
+
+
+# Byte offsets of packed inputs are aligned so that each can be viewed in its dtype.
+_ALIGN = 16
+
+
+def start_packed_all_gather(
+    comm: AllGather,
+    inputs: Sequence[torch.Tensor],
+    num_shards: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    where: str,
+) -> PackedGatherResult:
+    """Issue one all-gather of 1-D ``inputs`` that may differ in dtype: copied
+    into one buffer (of bytes when dtypes differ), gathered rank-major."""
+    dtypes = [t.dtype for t in inputs]
+    numels = [t.numel() for t in inputs]
+    packed = len(set(dtypes)) > 1
+    buf_dtype = torch.uint8 if packed else dtypes[0]
+    offs, acc = [], 0
+    for t in inputs:
+        offs.append(acc)
+        size = t.numel() * t.element_size() if packed else t.numel()
+        acc += -(-size // _ALIGN) * _ALIGN if packed else size
+    total = acc
+    inp = allocate(comm, total, buf_dtype, device, where, "AllGather")
+    for t, a, n in zip(inputs, offs, numels):
+        src = t.reshape(-1)
+        if packed:
+            src = src.contiguous().view(torch.uint8)
+        inp[a : a + src.numel()].copy_(src, non_blocking=True)
+    if communicates(comm, group):
+        out = allocate(comm, num_shards * total, buf_dtype, device, where, "AllGather")
+        work = _guard(where, "AllGather", lambda: comm(out, inp, group, True))
+    else:
+        out, work = inp, None
+    return PackedGatherResult(out.view(num_shards, total), work, inp, offs, numels, dtypes)
+
+
+def finish_packed_all_gather(result: PackedGatherResult, where: str) -> list[torch.Tensor]:
+    """Wait, then each input's gathered data as a [num_shards, numel] view."""
+    if result.work is not None:
+        _guard(where, "AllGather work", result.work.wait)
+    out = result.output
+    packed = out.dtype == torch.uint8 and any(d != torch.uint8 for d in result.dtypes)
+    views = []
+    for a, n, dtype in zip(result.offsets, result.numels, result.dtypes):
+        if packed:
+            views.append(out[:, a : a + n * dtype.itemsize].view(dtype))
+        else:
+            views.append(out[:, a : a + n])
+    return views
 
 
 def offsets(layouts: Sequence[ShardLayout]) -> list[int]:
@@ -114,8 +190,11 @@ def start_all_gather(
         else:
             for shard, start, end, layout in zip(shards, offs, offs[1:], layouts):
                 inp[start:end].view(layout.padded_shape).copy_(shard)
-    out = allocate(comm, num_shards * total, dtype, device, where, "AllGather")
-    work = _guard(where, "AllGather", lambda: comm(out, inp, group, True))
+    if communicates(comm, group):
+        out = allocate(comm, num_shards * total, dtype, device, where, "AllGather")
+        work = _guard(where, "AllGather", lambda: comm(out, inp, group, True))
+    else:
+        out, work = inp, None
     return AllGatherResult(out, work, inp, post_forward, layouts, offs)
 
 
@@ -150,6 +229,8 @@ def start_reduce_scatter(
         layout.scatter_from(grad, rows[:, start:end].view(num_shards, *layout.padded_shape))
     if predivide != 1.0:
         inp.div_(predivide)
+    if not communicates(comm, group):
+        return ReduceScatterResult(inp, None, inp, offs)
     out = allocate(comm, total, dtype, device, where, "ReduceScatter")
     work = _guard(where, "ReduceScatter", lambda: comm(out, inp, group, dist.ReduceOp.SUM, True))
     return ReduceScatterResult(out, work, inp, offs)

@@ -44,7 +44,7 @@ def dynamo_disable(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return torch._dynamo.disable(fn, recursive=True)(*args, **kwargs)
+        return torch._dynamo.disable(fn, recursive=True)(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     return cast(F, wrapper)
 

@@ -138,7 +138,8 @@ class ParamGroup:
         self.ctx = IterationContext()
         self.all_gather_comm: AllGather = DefaultAllGather()
         self.reduce_scatter_comm: ReduceScatter = DefaultReduceScatter()
-        self._in_flight: coll.AllGatherResult | None = None
+        self._in_flight: coll.AllGatherResult | coll.PackedGatherResult | None = None
+        self._packed_dtypes: list[torch.dtype] = []
         # Set when the engine prefetched this group; cleared when it is used.
         self._prefetched = False
         self.requires_grad_sync = True
@@ -176,7 +177,9 @@ class ParamGroup:
         self.subgroup: SubgroupInfo | None = None
         self.reshard_after_forward = True
         self.set_reshard_after_forward(reshard_after_forward)
-        self._init_storage([p.sharded_param for p in params])
+        self._init_storage([p.initial_source for p in params])  # type: ignore[misc]
+        for p in params:
+            p.initial_source = None  # never keep the full tensor alive
 
     # ---- configuration --------------------------------------------------------
     def set_reshard_after_forward(self, value: bool | int) -> None:
@@ -202,12 +205,17 @@ class ParamGroup:
             ranks = dist.get_process_group_ranks(self.info.shard_group)
             self._reduce_scatter_group = dist.new_group(ranks, use_local_synchronization=True)
 
-    @property
-    def orig_dtype(self) -> torch.dtype:
-        return self.params[0].orig_dtype
-
-    def gather_dtype(self, p: ShardedParam) -> torch.dtype:
+    def gather_dtype(self, p: ShardedParam, full_precision: bool = False) -> torch.dtype:
+        """The dtype ``p`` is all-gathered and computes in."""
+        if full_precision or not p.orig_dtype.is_floating_point:
+            return p.orig_dtype
         return self.mp.param_dtype or p.orig_dtype
+
+    @property
+    def single_dtype_flat(self) -> bool:
+        """Whether one all-gather of the flat buffer in one dtype serves the
+        group (no extensions, one gather dtype): the fast path."""
+        return self.flat_sharded is not None and not any(p.has_extensions for p in self.params)
 
     def reduce_dtype_for(self, grad: torch.Tensor) -> torch.dtype:
         return self.mp.reduce_dtype or grad.dtype
@@ -215,13 +223,15 @@ class ParamGroup:
     # ---- sharded storage ------------------------------------------------------
     def _init_storage(self, sources: list[torch.Tensor]) -> None:
         """Lay every shard out in one flat buffer when dtypes agree (so the
-        all-gather input needs no copy-in), else one buffer per parameter."""
+        all-gather input needs no copy-in), else one buffer per parameter (of
+        the source's own tensor type, so all-gather extensions keep theirs)."""
         dtypes = {src.dtype for src in sources}
         device = self.storage_device
         if any(src.device.type == "meta" for src in sources):
             device = torch.device("meta")
         total = sum(p.layout.padded_numel for p in self.params)
-        if len(dtypes) == 1:
+        plain = all(type(src) in (torch.Tensor, nn.Parameter) for src in sources)
+        if len(dtypes) == 1 and plain:
             pin = self.pin_memory and device.type == "cpu"
             flat = torch.empty(total, dtype=dtypes.pop(), device=device, pin_memory=pin)
             self.flat_sharded = flat
@@ -229,7 +239,7 @@ class ParamGroup:
             views = [flat[a:b].view(p.layout.padded_shape) for p, a, b in zip(self.params, offs, offs[1:])]
         else:
             self.flat_sharded = None
-            views = [torch.empty(p.layout.padded_shape, dtype=s.dtype, device=device) for p, s in zip(self.params, sources)]
+            views = [s.new_empty(p.layout.padded_shape, device=device) for p, s in zip(self.params, sources)]
         for p, view, src in zip(self.params, views, sources):
             p.orig_dtype = src.dtype
             p.adopt_storage(view, src)
@@ -255,9 +265,9 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self.sharded_state == ShardedState.UNSHARDED
 
-    def unshard(self, async_op: bool = False, dtype: torch.dtype | None = None) -> None:
+    def unshard(self, async_op: bool = False, full_precision: bool = False) -> None:
         """Issue the all-gather (idempotent: nothing if unsharded or in flight).
-        ``dtype`` overrides the mixed-precision gather dtype (full-precision summon)."""
+        ``full_precision`` gathers every parameter in its own dtype (summon)."""
         if self._in_flight is None and not self.is_unsharded:
             self._wait_post_optim_event()
             post_forward = self.sharded_state == ShardedState.SHARDED_POST_FORWARD
@@ -271,15 +281,43 @@ class ParamGroup:
                         self.subgroup.group, self._post_forward_data.dtype, self.device, self.name, True,
                     )
                 else:
-                    # One dtype per group (fully_shard checks it): the first's is everyone's.
-                    dtype = dtype or self.gather_dtype(self.params[0])
-                    self._in_flight = coll.start_all_gather(
-                        self.all_gather_comm, [p.sharded_data for p in self.params], self.flat_sharded,
-                        [p.layout for p in self.params], self.info.shard_group, dtype, self.device,
-                        self.name, False,
-                    )
+                    dtypes = [self.gather_dtype(p, full_precision) for p in self.params]
+                    if self.single_dtype_flat and len(set(dtypes)) == 1:
+                        self._in_flight = coll.start_all_gather(
+                            self.all_gather_comm, [p.sharded_data for p in self.params], self.flat_sharded,
+                            [p.layout for p in self.params], self.info.shard_group, dtypes[0], self.device,
+                            self.name, False,
+                        )
+                    else:
+                        self._in_flight = self._start_packed_all_gather(dtypes)
         if not async_op:
             self.wait_for_unshard()
+
+    def _start_packed_all_gather(self, dtypes: list[torch.dtype]) -> coll.PackedGatherResult:
+        """Several gather dtypes (e.g. frozen bf16 weights beside fp32 adapters)
+        or all-gather extensions: one collective over what each parameter sends."""
+        inputs: list[torch.Tensor] = []
+        self._packed_dtypes = dtypes
+        for p, dtype in zip(self.params, dtypes):
+            if p.has_extensions:
+                inputs.extend(p.extension_inputs(p.owners[0][0], self.mp, self.device))
+            else:
+                inputs.append(p.sharded_data.reshape(-1).to(device=self.device, dtype=dtype, non_blocking=True))
+        return coll.start_packed_all_gather(
+            self.all_gather_comm, inputs, self.info.shard_size, self.info.shard_group, self.device, self.name
+        )
+
+    def _finish_packed_all_gather(self, result: coll.PackedGatherResult) -> None:
+        views = iter(coll.finish_packed_all_gather(result, self.name))
+        num = self.info.shard_size
+        for p, dtype in zip(self.params, self._packed_dtypes):
+            if p.has_extensions:
+                for buf in p.extension_buffers(self.device):
+                    buf.view(num, -1).copy_(next(views))
+                p.finish_extension(dtype)
+            else:
+                full = p.ensure_unsharded(dtype, self.device)
+                p.layout.gather_into(full, next(views).view(num, *p.layout.padded_shape))
 
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather: copy out, register unsharded params."""
@@ -288,9 +326,12 @@ class ParamGroup:
             return
         self._in_flight = None
         with record_function(f"shardwise::all_gather_copy_out ({self.name})"):
-            dtype = result.output.dtype
-            fulls = [p.ensure_unsharded(dtype, self.device).data for p in self.params]
-            coll.finish_all_gather(result, fulls, self.name)
+            if isinstance(result, coll.PackedGatherResult):
+                self._finish_packed_all_gather(result)
+            else:
+                dtype = result.output.dtype
+                fulls = [p.ensure_unsharded(dtype, self.device) for p in self.params]
+                coll.finish_all_gather(result, fulls, self.name)
         self._post_forward_data = None
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
@@ -323,7 +364,7 @@ class ParamGroup:
         if self.is_unsharded and all(u is not None and u.dtype == p.orig_dtype for u, p in zip(full, self.params)):
             return
         self.reshard()
-        self.unshard(dtype=self.orig_dtype)
+        self.unshard(full_precision=True)
 
     def end_summon(self) -> None:
         """Leave a summon_full_params context; reshard when the outermost ends."""
@@ -344,25 +385,24 @@ class ParamGroup:
         with torch.no_grad():
             for p in self.params:
                 local = p.sharded_data.narrow(p.shard_dim, 0, p.layout.local_rows)
-                local.copy_(p.layout.local_chunk(p.unsharded_param.detach()))  # type: ignore[union-attr]
+                local.copy_(p.layout.local_chunk(p.unsharded_local()))
 
     @torch.no_grad()
     def _reshard_post_forward(self) -> None:
         """Keep only this rank's chunk over the post-forward subgroup."""
-        if self.subgroup is None or not self.is_unsharded:
+        if self.subgroup is None or not self.is_unsharded or not self.single_dtype_flat:
+            # Several dtypes or extensions: a full reshard (re-gathered over the
+            # whole shard group in backward), as PyTorch has no post-forward path for them.
             self.reshard()
             return
         layouts: list[ShardLayout] = [p.post_forward_layout for p in self.params]  # type: ignore[misc]
         offs = coll.offsets(layouts)
-        first = self.params[0].unsharded_param
-        if first is None:
-            raise AssertionError(f"{self.name}: unsharded before any unshard")
-        data = torch.empty(offs[-1], dtype=first.dtype, device=self.device)
+        data = torch.empty(offs[-1], dtype=self.params[0].unsharded_local().dtype, device=self.device)
         for p, layout, a, b in zip(self.params, layouts, offs, offs[1:]):
             view = data[a:b].view(layout.padded_shape)
             rows = layout.local_rows
             if rows:
-                view.narrow(layout.dim, 0, rows).copy_(layout.local_chunk(p.unsharded_param))  # type: ignore[arg-type]
+                view.narrow(layout.dim, 0, rows).copy_(layout.local_chunk(p.unsharded_local()))
             view.narrow(layout.dim, rows, layout.chunk - rows).zero_()
             p.free_unsharded()
             p.register_sharded()
@@ -448,6 +488,8 @@ class ParamGroup:
                 if up is None or not p.requires_grad:
                     continue
                 grad = up.grad
+                if grad is not None:
+                    grad = p.grad_local(grad)
                 if not self.requires_grad_sync:
                     rd = self.mp.reduce_dtype
                     if grad is not None and rd is not None and grad.dtype != rd:
@@ -460,7 +502,7 @@ class ParamGroup:
                     grad = acc if grad is None else acc.add_(grad)
                     p.unsharded_accumulated_grad = None
                 if grad is None and self.reduce_scatter_unused_params:
-                    grad = torch.zeros(p.full_shape, dtype=up.dtype, device=up.device)
+                    grad = torch.zeros(p.full_shape, dtype=up.dtype, device=self.device)
                 if grad is None:
                     continue
                 up.grad = None

@@ -5,13 +5,18 @@ exists only while its module computes)."""
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import NamedTuple, cast
+import inspect
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardwise.mesh import MeshInfo
+from shardwise.errors import ConfigError, UnsupportedError
+from shardwise.mesh import MeshInfo, join_meshes
 
 
 class ShardedState(Enum):
@@ -109,6 +114,67 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def make_dtensor(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size
+) -> DTensor:
+    """A DTensor over ``local`` with the given global ``shape`` (contiguous
+    strides), built directly from its spec: no communication, no autograd."""
+    spec = DTensorSpec(
+        mesh, tuple(placements), tensor_meta=TensorMeta(shape, _contiguous_stride(shape), local.dtype)
+    )
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+
+
+def sharded_spec(
+    info: MeshInfo, shard_dim: int, tp_spec: DTensorSpec | None
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements of a sharded parameter. See [Note: tensor-parallel
+    parameters]."""
+    if tp_spec is None:
+        if info.spmd_mesh is not None:
+            raise ConfigError(
+                "with dp_mesh_dims every parameter must be a DTensor on the whole SPMD mesh "
+                "(e.g. from distribute_module / parallelize_module); found a plain tensor. "
+                "Distribute it (Replicate() on the data-parallel dims) first."
+            )
+        return info.mesh, info.placements(shard_dim)
+    split = tp_spec.num_shards_map[shard_dim]
+    fsdp: Placement = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+    if info.spmd_mesh is not None:  # dp_mesh_dims: the parameter is on the whole mesh already
+        if tp_spec.mesh != info.spmd_mesh:
+            raise ConfigError(
+                "with dp_mesh_dims, parameters must be DTensors on the mesh passed to "
+                f"fully_shard ({info.spmd_mesh}); found one on {tp_spec.mesh}."
+            )
+        placements = list(tp_spec.placements)
+        for i in info.spmd_dp_dims:
+            if not isinstance(placements[i], Replicate):
+                names = info.spmd_mesh.mesh_dim_names or ()
+                raise ConfigError(
+                    f"with dp_mesh_dims, parameters must be Replicate() on the data-parallel mesh "
+                    f"dims; found {placements[i]} on {names[i]!r}. Distribute them with "
+                    "Replicate() there and let fully_shard shard them."
+                )
+        # split: TP shards on the same dim to the right of the dp dim.
+        split = 1
+        for j in range(info.spmd_shard_dim + 1, len(placements)):
+            pj = placements[j]
+            if isinstance(pj, Shard) and pj.dim == shard_dim:
+                split *= info.spmd_mesh.size(j)
+        placements[info.spmd_shard_dim] = (
+            _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+        )
+        return info.spmd_mesh, tuple(placements)
+    if len(tp_spec.placements) > 2:
+        raise UnsupportedError(
+            f"fully_shard supports parameters on a 1-D or 2-D model-parallel mesh, not "
+            f"{tp_spec.placements}."
+        )
+    mesh = join_meshes(info.mesh, tp_spec.mesh)
+    dp = (Replicate(), fsdp) if info.replicate_group is not None else (fsdp,)
+    return mesh, (*dp, *tp_spec.placements)
+
+
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (typed access to ``_local_tensor``)."""
     local: torch.Tensor = cast(DTensor, t)._local_tensor
@@ -134,10 +200,28 @@ class ShardedParam:
     ``sharded_param`` (a DTensor ``nn.Parameter``) is the source of truth; its
     local tensor is a view of ``sharded_data``, this rank's chunk padded to the
     chunk size (itself usually a view into the group's one flat buffer, so the
-    all-gather needs no copy-in). ``unsharded_param`` is a plain ``nn.Parameter``
-    whose storage is allocated only while unsharded; the tensor object itself
-    persists so that autograd's saved references stay valid across reshard and
-    re-unshard.
+    all-gather needs no copy-in). ``unsharded_param`` is the parameter the
+    module computes with; its storage is allocated only while unsharded; the
+    tensor object itself persists so that autograd's saved references stay
+    valid across reshard and re-unshard.
+
+    [Note: tensor-parallel parameters]
+    A parameter that is already a DTensor (tensor parallel, or a whole SPMD
+    mesh with ``dp_mesh_dims``) is sharded on its *local* tensor: FSDP chunks
+    what this rank holds for TP (``full_shape``), the sharded DTensor lives on
+    the data-parallel mesh joined with the TP mesh and carries both placements
+    (a ``_StridedShard`` on dp when TP already shards the same dim), and the
+    unsharded parameter is a DTensor with the original TP placements, so the
+    module's TP forward runs unchanged. Gradients are redistributed to the TP
+    placements and their local tensors reduce-scattered over dp.
+
+    [Note: all-gather extensions]
+    A local tensor that defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``
+    (PyTorch's contract, e.g. torchao's float8 weights) is gathered through
+    them: the pre-hook returns the tensors to send (e.g. fp8 data + scales) and
+    metadata, the engine all-gathers exactly those into buffers kept per
+    parameter (``extension_outputs``), and the post-hook builds the unsharded
+    parameter from them the first time and refills it (``out=``) afterwards.
     """
 
     def __init__(
@@ -154,11 +238,24 @@ class ShardedParam:
         self.info = info
         self.shard_dim = shard_dim
         self.orig_dtype = param.dtype
-        self.full_shape = param.shape
-        self.layout = ShardLayout.make(param.shape, shard_dim, info.shard_size, info.shard_rank)
+        # The original DTensor layout (TP / SPMD parameters); None for plain tensors.
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        local_param = local_of(param) if isinstance(param, DTensor) else param
+        self.global_shape = param.shape  # what DTensors and state dicts show
+        self.full_shape = local_param.shape  # what FSDP chunks (TP-local for DTensors)
+        self.layout = ShardLayout.make(self.full_shape, shard_dim, info.shard_size, info.shard_rank)
+        self.spmd_mesh, self.spmd_placements = sharded_spec(info, shard_dim, self.tp_spec)
+        self.has_extensions = hasattr(local_param, "fsdp_pre_all_gather")
+        if self.has_extensions != hasattr(local_param, "fsdp_post_all_gather"):
+            raise ConfigError(
+                f"parameter {fqn!r} ({type(local_param).__name__}) defines only one of "
+                "fsdp_pre_all_gather / fsdp_post_all_gather; all-gather extensions need both."
+            )
         # Filled by ParamGroup.init_flat_storage / reset.
         self.sharded_data: torch.Tensor = torch.empty(0)
         self.sharded_param: nn.Parameter = param
+        # The first source of this rank's shard (the TP-local tensor for DTensors).
+        self.initial_source: torch.Tensor | None = local_param
         # Only for building the first DTensor; never keep the full tensor alive.
         self._initial_requires_grad = param.requires_grad
         # Lazily created at first unshard, in the all-gather dtype.
@@ -167,6 +264,14 @@ class ShardedParam:
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         # Post-forward shard (reshard_after_forward=int): view into the group's buffer.
         self.post_forward_layout: ShardLayout | None = None
+        # All-gather extensions: per-parameter gathered buffers (reused: the
+        # unsharded parameter may alias them), the post-hook's inner tensors
+        # (freed at reshard) and this gather's metadata and input shapes.
+        self.extension_outputs: list[torch.Tensor] = []
+        self.extension_inner: tuple[torch.Tensor, ...] = ()
+        self.extension_metadata: Any = None
+        self.extension_sizes: list[torch.Size] = []
+        self.extension_dtypes: list[torch.dtype] = []
 
     # ---- sharded side -------------------------------------------------------
     @torch.no_grad()  # the copy must not tie the shard buffer to the source's graph
@@ -175,6 +280,8 @@ class ShardedParam:
         ``padded`` and (re)build the DTensor parameter over it."""
         rows = self.layout.local_rows
         local = padded.narrow(self.shard_dim, 0, rows)
+        if isinstance(source, DTensor):
+            source = local_of(source)
         if local.device.type != "meta":
             if source.shape == self.full_shape and self.layout.num_shards > 1:
                 source = self.layout.local_chunk(source)
@@ -182,24 +289,22 @@ class ShardedParam:
                 local.copy_(source)
             padded.narrow(self.shard_dim, rows, self.layout.chunk - rows).zero_()
         self.sharded_data = padded
-        if isinstance(self.sharded_param, DTensor) and self.sharded_param._local_tensor.shape == local.shape:
+        current = self.sharded_param
+        if (
+            isinstance(current, DTensor)
+            and current._local_tensor.shape == local.shape
+            and current.device_mesh == self.spmd_mesh
+            and tuple(current.placements) == self.spmd_placements
+        ):
             # Keep the same Parameter object (optimizers may already hold it).
-            self.sharded_param._local_tensor = local
+            current._local_tensor = local
         else:
             self.sharded_param = nn.Parameter(self._as_dtensor(local), requires_grad=self._initial_requires_grad)
         self.register_sharded()
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap this rank's (unpadded) chunk as a DTensor of the full shape."""
-        with torch.no_grad():
-            return DTensor.from_local(
-                local,
-                self.info.mesh,
-                self.info.placements(self.shard_dim),
-                run_check=False,
-                shape=self.full_shape,
-                stride=_contiguous_stride(self.full_shape),
-            )
+        """Wrap this rank's (unpadded) chunk as a DTensor of the global shape."""
+        return make_dtensor(local, self.spmd_mesh, self.spmd_placements, self.global_shape)
 
     def local_is_adopted(self) -> bool:
         """Whether the registered DTensor still views ``sharded_data`` (false after
@@ -244,25 +349,115 @@ class ShardedParam:
             module._parameters[name] = self.unsharded_param
 
     # ---- unsharded side -----------------------------------------------------
-    def ensure_unsharded(self, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-        """The unsharded parameter with storage allocated (contents undefined)."""
+    def unsharded_local(self) -> torch.Tensor:
+        """The plain tensor holding the unsharded data (a TP DTensor's local)."""
+        p = self.unsharded_param
+        if p is None:
+            raise AssertionError(f"{self.fqn}: unsharded parameter was never created")
+        return local_of(p) if isinstance(p, DTensor) else p.data
+
+    def ensure_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Allocate the unsharded parameter's storage and return the plain tensor
+        to gather into (contents undefined)."""
         p = self.unsharded_param
         if p is None or p.dtype != dtype or p.device != device or p.is_inference():
             # Never an inference tensor, even when first gathered under
             # torch.inference_mode(): it is reused by later training steps.
             with torch.inference_mode(False):
                 t = torch.empty(self.full_shape, dtype=dtype, device=device)
+                if self.tp_spec is not None:
+                    t = make_dtensor(t, self.tp_spec.mesh, self.tp_spec.placements, self.global_shape)
                 p = nn.Parameter(t, requires_grad=self.requires_grad)
             self.unsharded_param = p
         else:
-            alloc_storage(p)
+            alloc_storage(self.unsharded_local())
             if p.requires_grad != self.requires_grad:
                 p.requires_grad_(self.requires_grad)
-        return p
+        return self.unsharded_local()
 
     def free_unsharded(self) -> None:
+        if self.unsharded_param is None:
+            return
+        if self.has_extensions:
+            for t in (*self.extension_inner, *self.extension_outputs):
+                free_storage(t)
+        else:
+            free_storage(self.unsharded_local())
+
+    # ---- all-gather extensions ----------------------------------------------
+    def extension_inputs(self, module: nn.Module, mp: Any, device: torch.device) -> list[torch.Tensor]:
+        """Call ``fsdp_pre_all_gather`` on this rank's padded shard: the 1-D
+        tensors to all-gather (their sizes and the metadata are kept)."""
+        shard: Any = self.sharded_data
+        if shard.device != device:
+            shard = shard.to(device, non_blocking=True)
+        pre = shard.fsdp_pre_all_gather
+        if len(inspect.signature(pre).parameters) == 1:  # the older one-argument form
+            inputs, self.extension_metadata = pre(self.info.shard_mesh)
+        else:
+            inputs, self.extension_metadata = pre(
+                self.info.shard_mesh, self.full_shape, _contiguous_stride(self.full_shape), module, mp
+            )
+        inputs = list(inputs)
+        for t in inputs:
+            if t.shape[:1] != self.layout.padded_shape[:1]:
+                raise ConfigError(
+                    f"{self.fqn}: fsdp_pre_all_gather returned a tensor of shape {tuple(t.shape)}; "
+                    f"with FSDP's padding each must have {self.layout.padded_shape[0]} rows "
+                    f"(the padded shard {tuple(self.layout.padded_shape)})."
+                )
+        self.extension_sizes = [t.shape for t in inputs]
+        self.extension_dtypes = [t.dtype for t in inputs]
+        return [t.contiguous().view(-1) for t in inputs]
+
+    def extension_buffers(self, device: torch.device) -> list[torch.Tensor]:
+        """The per-parameter gathered buffers, (re)allocated: the same tensors on
+        every call, since the unsharded parameter may alias them."""
+        num = self.layout.num_shards
+        wanted = [(num * s.numel(), t_dtype) for s, t_dtype in zip(self.extension_sizes, self.extension_dtypes)]
+        if [(t.numel(), t.dtype) for t in self.extension_outputs] != wanted:
+            self.extension_outputs = [torch.empty(n, dtype=d, device=device) for n, d in wanted]
+        for t in self.extension_outputs:
+            alloc_storage(t)
+        return self.extension_outputs
+
+    def finish_extension(self, dtype: torch.dtype) -> None:
+        """Build (first time) or refill the unsharded parameter through
+        ``fsdp_post_all_gather`` from the gathered buffers."""
+        outputs = tuple(
+            t.view(-1, *s[1:]) for t, s in zip(self.extension_outputs, self.extension_sizes)
+        )
+        shard: Any = local_of(self.sharded_param)
+        post = shard.fsdp_post_all_gather
         if self.unsharded_param is not None:
-            free_storage(self.unsharded_param)
+            for t in self.extension_inner:
+                alloc_storage(t)
+            post(outputs, self.extension_metadata, dtype, out=self.unsharded_param)
+        else:
+            unsharded, inner = post(outputs, self.extension_metadata, dtype)
+            self.extension_inner = tuple(inner)
+            # Drop the padding rows that trail the rank-major concatenation.
+            unsharded = torch.as_strided(
+                unsharded, self.full_shape, _contiguous_stride(self.full_shape), storage_offset=0
+            )
+            self.unsharded_param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
+        self.extension_metadata = None
+
+    def grad_local(self, grad: torch.Tensor) -> torch.Tensor:
+        """The plain tensor of an unsharded gradient: a TP DTensor gradient is
+        first brought to the parameter's TP placements (e.g. Partial -> Replicate)."""
+        if not isinstance(grad, DTensor):
+            return grad
+        spec = self.tp_spec
+        if spec is None:
+            raise AssertionError(f"{self.fqn}: DTensor gradient for a plain parameter")
+        target = tuple(
+            grad.placements[i] if i in self.info.spmd_dp_dims else spec.placements[i]
+            for i in range(len(spec.placements))
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
+        return local_of(grad)
 
     def shard_grad(self, grad_shard: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Install (or accumulate) this rank's reduced, unpadded gradient chunk
