@@ -28,6 +28,7 @@ from shardwise.fully_shard import (
     share_comm_ctx,
     summon_full_params,
 )
+from shardwise.mesh import DataParallelMeshDims
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardwise.wrap import apply_policy
 
@@ -37,6 +38,7 @@ __all__ = [
     "CPUOffload",
     "CPUOffloadPolicy",
     "Comm",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",

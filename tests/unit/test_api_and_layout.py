@@ -77,6 +77,7 @@ def test_public_names_are_exact():
             "CPUOffload",
             "CPUOffloadPolicy",
             "Comm",
+            "DataParallelMeshDims",
             "FSDPModule",
             "FullOptimStateDictConfig",
             "FullStateDictConfig",
