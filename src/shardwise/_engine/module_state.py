@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -30,23 +31,43 @@ from shardwise.policies import MixedPrecisionPolicy
 
 from .param_group import IterationContext, ParamGroup, TrainingState
 
-F = TypeVar("F", bound=Callable[..., Any])
 
 # module -> its state; weak so that dropping a model frees everything.
 _STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
 
 
-def dynamo_disable(fn: F) -> F:
-    """Run ``fn`` eagerly, outside any graph ``torch.compile`` traces (as
+class dynamo_disable:  # noqa: N801 - used as a decorator
+    """Run a method eagerly, outside any graph ``torch.compile`` traces (as
     PyTorch's FSDP does with its hooks): collectives, storage resizing and
     Python bookkeeping stay out of the compiled region; the block's compute is
-    one graph. See docs/decisions.md ("torch.compile")."""
+    one graph. See docs/decisions.md ("torch.compile").
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return torch._dynamo.disable(fn, recursive=True)(*args, **kwargs)  # type: ignore[no-untyped-call]
+    [Note: hooks outside the traced region]
+    The method is wrapped by ``torch._dynamo.disable`` once, at the first
+    attribute access (``fully_shard`` time: importing ``torch._dynamo`` at
+    ``import shardwise`` would cost about a second), and every access returns
+    the disabled function bound to the instance. So dynamo never meets a Python
+    frame of ours: a plain wrapper function would itself be a frame dynamo
+    tries to compile when a compiled module's ``_call_impl`` runs the hook,
+    and each such attempt is a graph break (PyTorch's wrapper escapes this
+    only because its file is on dynamo's skip list).
+    """
 
-    return cast(F, wrapper)
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.disabled: Callable[..., Any] | None = None
+        functools.update_wrapper(cast(Any, self), fn)
+
+    def __get__(self, obj: object | None, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if self.disabled is None:
+            import torch._dynamo
+
+            self.disabled = torch._dynamo.disable(  # type: ignore[no-untyped-call]
+                self.fn, recursive=True, reason="shardwise hooks"
+            )
+        return types.MethodType(self.disabled, obj)
 
 
 def state_of(module: nn.Module) -> ModuleState | None:

@@ -48,6 +48,7 @@ def parity_train(
     clip: float | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    prepare_reference: Callable[[nn.Module], object] | None = None,
 ) -> list[float]:
     """Train ``shard(model)`` and an unsharded deep copy side by side; assert
     parity of losses, parameters and gradients after every step.
@@ -71,6 +72,10 @@ def parity_train(
             (Default: ``None``: full precision)
         reduce_dtype: the dtype gradients are averaged in. (Default: ``None``:
             ``param_dtype``)
+        prepare_reference: applied in place to the module the reference
+            computes with (its low-precision copy under ``param_dtype``), e.g.
+            to compile it as ``shard`` compiles the sharded model, so both
+            run the same kernels. (Default: ``None``)
 
     Returns:
         The sharded model's loss at every step.
@@ -85,6 +90,8 @@ def parity_train(
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     # Mixed precision: compute in a low-precision copy, keep fp32 master weights.
     ref_compute = ref if param_dtype is None else copy.deepcopy(ref).to(param_dtype)
+    if prepare_reference is not None:
+        prepare_reference(ref_compute)
     rank = dist.get_rank()
     losses = []
     for step in range(steps):
