@@ -434,7 +434,11 @@ def fully_shard(
         mp_policy: mixed precision. (Default: ``MixedPrecisionPolicy()``: none)
         offload_policy: ``CPUOffloadPolicy()`` keeps shards, gradients and
             optimizer state on the CPU. (Default: ``OffloadPolicy()``: none)
-        ignored_params: parameters left unsharded and unmanaged. (Default: ``None``)
+        ignored_params: parameters left unsharded and unmanaged. Parameters
+            that are not ``module``'s have no effect on it (one set may serve
+            every call for a model, as with PyTorch); a tensor that is no
+            parameter at all (``param.data``, a ``state_dict()`` value, a
+            copy) raises ``ValueError``. (Default: ``None``)
         dp_mesh_dims: a :class:`DataParallelMeshDims` (or PyTorch's): ``mesh``
             is then the whole SPMD mesh, parameters are DTensors on it with
             ``Replicate()`` on these dims, and FSDP shards over ``shard`` (and
@@ -463,7 +467,7 @@ def fully_shard(
             "pass True or False."
         )
     raf = resolve_reshard_after_forward(True if auto else reshard_after_forward, info)
-    ignored = _check_ignored(ignored_params)
+    ignored = _check_ignored(ignored_params, modules)
     conflicts: list[str] = []
     collected = _collect_params(modules, ignored, conflicts, None if info.spmd_mesh is not None else info.mesh)
     trainable = [(p, fqn) for p, _, fqn in collected if p.requires_grad]
@@ -543,7 +547,7 @@ def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
     return out
 
 
-def _check_ignored(ignored_params: Any) -> set[int]:
+def _check_ignored(ignored_params: Any, modules: tuple[nn.Module, ...]) -> set[int]:
     if ignored_params is None:
         return set()
     try:
@@ -555,6 +559,21 @@ def _check_ignored(ignored_params: Any) -> set[int]:
     for p in items:
         if not isinstance(p, torch.Tensor):
             raise ConfigTypeError(f"ignored_params must hold nn.Parameters, got {type(p).__name__}.")
+    # A Parameter of another module is allowed (PyTorch's fully_shard takes one
+    # set for a whole model, and the wrapper passes its root's to every unit);
+    # a tensor that is no parameter anywhere would be ignored silently.
+    plain = [p for p in items if not isinstance(p, nn.Parameter)]
+    if plain:
+        registered = {id(t) for m in modules for sub in m.modules() for t in sub._parameters.values()}
+        for p in plain:
+            if id(p) not in registered:
+                raise ConfigError(
+                    f"ignored_params holds a tensor of shape {tuple(p.shape)} ({p.dtype}) that is not a "
+                    "parameter of the module: a plain tensor (param.data, param.detach(), a state_dict() "
+                    "value, a copy) never matches a parameter, so that parameter would be sharded anyway. "
+                    "Pass the nn.Parameter objects the module registers, e.g. "
+                    "ignored_params=set(module.head.parameters())."
+                )
     return {id(p) for p in items}
 
 

@@ -255,6 +255,90 @@ def test_latest_overwrite_and_keep(tmp_path):
 
 
 @multi_rank(world_sizes=(2,))
+def test_latest_is_the_last_committed_under_any_name(tmp_path):
+    """``latest(root)`` counts a committed checkpoint whatever its name
+    (``root/best`` too) and returns the one committed last, by the sequence
+    its marker records: not by name, step or modification time. Saves that
+    never completed, hidden staging / ``.old-`` directories and foreign
+    directories never count. Markers written before the sequence existed
+    still load and order by their commit time, before any newer one."""
+    import json
+    import shutil
+    import time
+
+    from shardwise import checkpoint
+
+    cfg = _cfg(n_layers=1)
+    model = _model(cfg)
+    root = Path(tmp_path) / "run"
+    assert checkpoint.latest(root) is None
+    states = {}
+
+    def save(name, **kwargs):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # every checkpoint holds other values
+        path = checkpoint.save(root / name if name else root, model, **kwargs)
+        states[path.name] = _full_state(model, None)
+        return path
+
+    def check(expected):
+        found = checkpoint.latest(root)
+        assert found == root.resolve() / expected, found
+        other = _model(cfg)
+        checkpoint.load(found, other)
+        _assert_equal(_full_state(other, None), states[expected], expected)
+
+    save(None, step=5)
+    check("step-00000005")
+    save("best")  # sorts before step-*, has no step
+    check("best")
+    save(None, step=3)  # a lower step, committed later (a rewound run)
+    check("step-00000003")
+    save("best", overwrite=True)
+    check("best")
+    assert [s for s, _ in checkpoint.list_checkpoints(root)] == [3, 5]  # keep= still sees step-N only
+
+    if dist.get_rank() == 0:
+        # modification times do not decide: make the others look newer
+        future = time.time() + 3600
+        for name in ("step-00000005", "step-00000003"):
+            os.utime(root / name, (future, future))
+            os.utime(root / name / "complete.json", (future, future))
+        # none of these count
+        (root / "zz-partial").mkdir()  # a save killed before its marker
+        (root / "zz-partial" / "__0_0.distcp").write_bytes(b"x")
+        (root / "zz-notes").mkdir()  # somebody's directory
+        (root / "zz-notes" / "README").write_text("not a checkpoint")
+        (root / "zz-foreign").mkdir()
+        (root / "zz-foreign" / "complete.json").write_text('{"format": "other", "sequence": 99}')
+        for hidden in (".best.old-abc", ".step-00000009.tmp-def"):  # complete copies, but hidden
+            shutil.copytree(root / "best", root / hidden)
+            marker = json.loads((root / hidden / "complete.json").read_text())
+            marker["sequence"] = 99
+            (root / hidden / "complete.json").write_text(json.dumps(marker))
+    dist.barrier()
+    check("best")
+
+    # markers written before the sequence existed: ordered by their commit time
+    legacy = Path(tmp_path) / "legacy"
+    if dist.get_rank() == 0:
+        for name, created in (("step-00000005", 2000.0), ("step-00000003", 1000.0)):
+            shutil.copytree(root / name, legacy / name)
+            marker = json.loads((legacy / name / "complete.json").read_text())
+            del marker["sequence"]
+            marker["created"] = created
+            (legacy / name / "complete.json").write_text(json.dumps(marker))
+    dist.barrier()
+    assert checkpoint.latest(legacy) == legacy.resolve() / "step-00000005"
+    root = legacy
+    check("step-00000005")
+    save(None, step=1)  # the first sequenced commit is newer than every legacy one
+    check("step-00000001")
+    dist.barrier()
+
+
+@multi_rank(world_sizes=(2,))
 def test_plain_dcp_reads_our_checkpoint_into_torch_fully_shard(tmp_path):
     """A shardwise checkpoint is an ordinary DCP checkpoint (torchtitan layout)."""
     import torch.distributed.checkpoint as dcp

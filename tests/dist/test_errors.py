@@ -108,6 +108,38 @@ def test_wrong_argument_types():
 
 
 @multi_rank(world_sizes=(2,))
+def test_ignored_params_that_are_no_parameters():
+    """A tensor in ignored_params that is no parameter (``.data``, ``detach()``,
+    a state_dict() value, a copy) would leave the parameter sharded silently:
+    a ValueError naming its shape and the fix, nothing changed. Parameters of
+    other modules are allowed, as PyTorch's fully_shard allows them (one set
+    passed to every call for a model)."""
+    from torch.distributed.tensor import DTensor
+
+    from shardwise import fully_shard
+
+    m = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    for wrong in (m[1].weight.data, m[1].weight.detach(), m.state_dict()["1.weight"], m[1].weight.clone(), torch.zeros(5, 7)):
+        fully = r"\(" + ", ".join(map(str, wrong.shape)) + r"\)"
+        _raises(ValueError, rf"tensor of shape {fully} \(torch.float32\) that is not a parameter of the module.*"
+                r"Pass the nn.Parameter objects the module registers, e.g. ignored_params=set\(module\.head\.parameters\(\)\)",
+                fully_shard, m, ignored_params={wrong})
+        assert type(m) is nn.Sequential and type(m[1].weight) is nn.Parameter  # untouched
+    # one set for the whole model, as PyTorch takes it: block 0 gets block 1's parameter too
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    for shard in (fully_shard, torch_fully_shard):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+        ignored = {model[0].bias, model[1].bias}
+        for block in model[:2]:
+            shard(block, ignored_params=ignored)
+        shard(model, ignored_params=ignored)
+        assert not isinstance(model[0].bias, DTensor) and not isinstance(model[1].bias, DTensor)
+        assert isinstance(model[0].weight, DTensor) and isinstance(model[2].weight, DTensor)
+        model(torch.randn(3, 4)).sum().backward()
+
+
+@multi_rank(world_sizes=(2,))
 def test_deepcopy_of_a_sharded_module_is_refused():
     import copy
 
@@ -122,7 +154,7 @@ def test_mixed_parameter_dtypes_in_one_group():
     from shardwise import MixedPrecisionPolicy, fully_shard
 
     m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
-    _raises(ValueError, "all-gathers in one dtype", fully_shard, m)
+    _raises(ValueError, r"uniform original parameter dtype.*float32.*float64.*param_dtype", fully_shard, m)
     assert type(m[0].weight) is nn.Parameter  # untouched
     # with a param_dtype every shard is cast to it before the gather: allowed
     fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))

@@ -109,6 +109,48 @@ def test_round_trip_model_and_optimizer(kind, strategy, cfg_kwargs):
 
 
 @multi_rank(world_sizes=(2,))
+def test_deepcopied_sharded_state_dicts_round_trip():
+    """SHARDED_STATE_DICT model and optimizer state dicts deep-copied (kept in
+    memory as a best-so-far copy, as scripts for PyTorch's FSDP do) while the
+    model trains on: the copies hold the state of when they were taken, and
+    ``load_state_dict`` / ``optim_state_dict_to_load`` from them resume it
+    bit for bit."""
+    import copy
+
+    import shardwise
+    from shardwise import FullyShardedDataParallel as FSDP
+
+    sharded = shardwise.StateDictType.SHARDED_STATE_DICT
+    a = _wrapped(0)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    _step(a, opt_a, 0)
+    with FSDP.state_dict_type(a, sharded):
+        sd = copy.deepcopy(a.state_dict())
+        osd = copy.deepcopy(FSDP.optim_state_dict(a, opt_a))
+    saved = _full(a)
+    saved_opt = copy.deepcopy(opt_a.state_dict())
+    want_loss = _step(a, opt_a, 1)  # the copies must not follow
+    want = _full(a)
+
+    b = _wrapped(1)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    with FSDP.state_dict_type(b, sharded):
+        b.load_state_dict(sd)
+        loadable = FSDP.optim_state_dict_to_load(b, opt_b, osd, load_directly=True)
+        copy.deepcopy(loadable)
+    got = _full(b)
+    for name in saved:
+        torch.testing.assert_close(got[name], saved[name], rtol=0, atol=0, msg=name)
+    for i, state in saved_opt["state"].items():
+        for k, v in state.items():
+            torch.testing.assert_close(opt_b.state_dict()["state"][i][k], v, rtol=0, atol=0, msg=f"{i}.{k}")
+    assert _step(b, opt_b, 1) == want_loss
+    got = _full(b)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+@multi_rank(world_sizes=(2,))
 def test_rank0_only_full_state_dicts():
     """rank0_only: only rank 0 gets the (CPU) dicts; loading the optimizer
     state reads rank 0's alone; a model loaded on rank 0 reaches every rank

@@ -31,17 +31,20 @@ def test_step_directories_and_latest(tmp_path):
         d = checkpoint.checkpoint_path(tmp_path, step)
         d.mkdir()
         commit.write_marker(d, _marker(step))
-    # none of these count: no marker, a staging directory, a bad marker, other names
+    # none of these count: no marker, a staging directory, a bad marker, a file
     (tmp_path / "step-00000200").mkdir()
     (tmp_path / ".step-00000300.tmp-abc").mkdir()
     commit.write_marker(tmp_path / ".step-00000300.tmp-abc", _marker(300))
     (tmp_path / "step-00000400").mkdir()
     (tmp_path / "step-00000400" / commit.MARKER_NAME).write_text('{"format": "other"}')
-    (tmp_path / "best").mkdir()
-    commit.write_marker(tmp_path / "best", _marker())
     (tmp_path / "step-00000500").write_text("a file")
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [9, 10, 100]
     assert checkpoint.latest(tmp_path) == tmp_path / "step-00000100"
+    # any name counts for latest (the one committed last), not for list_checkpoints / keep
+    (tmp_path / "best").mkdir()
+    commit.write_marker(tmp_path / "best", _marker())
+    assert checkpoint.latest(tmp_path) == tmp_path / "best"
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [9, 10, 100]
     assert commit.prune(tmp_path, 2) == [tmp_path / "step-00000009"]
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [10, 100]
 

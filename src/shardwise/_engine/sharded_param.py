@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn as nn
+import torch.utils.dlpack
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -175,6 +176,15 @@ def sharded_spec(
     return mesh, (*dp, *tp_spec.placements)
 
 
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a view at a non-zero offset into a larger buffer) as a tensor
+    over the same memory whose storage starts at its first element. See
+    [Note: shards with a storage of their own]."""
+    if view.storage_offset() == 0 or type(view) is not torch.Tensor or view.device.type == "meta":
+        return view
+    return torch.utils.dlpack.from_dlpack(view.detach())
+
+
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (typed access to ``_local_tensor``)."""
     local: torch.Tensor = cast(DTensor, t)._local_tensor
@@ -198,9 +208,9 @@ class ShardedParam:
     """One managed parameter.
 
     ``sharded_param`` (a DTensor ``nn.Parameter``) is the source of truth; its
-    local tensor is a view of ``sharded_data``, this rank's chunk padded to the
-    chunk size (itself usually a view into the group's one flat buffer, so the
-    all-gather needs no copy-in). ``unsharded_param`` is the parameter the
+    local tensor shares memory with ``sharded_data``, this rank's chunk padded
+    to the chunk size (itself usually a view into the group's one flat buffer,
+    so the all-gather needs no copy-in). ``unsharded_param`` is the parameter the
     module computes with; its storage is allocated only while unsharded; the
     tensor object itself persists so that autograd's saved references stay
     valid across reshard and re-unshard.
@@ -222,6 +232,20 @@ class ShardedParam:
     metadata, the engine all-gathers exactly those into buffers kept per
     parameter (``extension_outputs``), and the post-hook builds the unsharded
     parameter from them the first time and refills it (``out=``) afterwards.
+
+    [Note: shards with a storage of their own]
+    The local tensor of a DTensor must start its storage (storage offset 0),
+    as each of PyTorch's own shards does, being allocated apart. A DTensor
+    takes its local tensor's storage offset (torch >= 2.10), and
+    ``Tensor.__deepcopy__`` recognises a storage-less wrapper subclass only by
+    ``data_ptr() == 0``, which a non-zero offset breaks: ``copy.deepcopy`` of
+    a state dict then copies the wrapper's invalid storage ("Attempted to call
+    copy_() on an invalid python storage"), and every detached or derived
+    DTensor inherits the offset. So a shard viewing the flat buffer at an
+    offset is handed to its DTensor re-wrapped through DLPack: the same memory
+    (the optimizer's in-place steps reach the all-gather input), a storage of
+    exactly its own span (so ``torch.save`` writes only the shard too) that
+    keeps the flat buffer alive.
     """
 
     def __init__(
@@ -288,6 +312,7 @@ class ShardedParam:
             if source.device.type != "meta":
                 local.copy_(source)
             padded.narrow(self.shard_dim, rows, self.layout.chunk - rows).zero_()
+        local = own_storage(local)  # [Note: shards with a storage of their own]
         self.sharded_data = padded
         current = self.sharded_param
         if (

@@ -8,6 +8,7 @@ Layout (``save(root, ..., step=N)``; ``save(path, ...)`` uses ``path`` itself)::
         __0_0.distcp ...        each rank's shards, as DCP's FileSystemWriter writes them
         extra.pt                the ``extra`` dict (rank 0, torch.save), when given
         complete.json           the completion marker: written last
+      best/                     a committed checkpoint too (``save(root / "best", ...)``)
       .step-00000200.tmp-<id>/  a save in progress, or one that died: ignored
 
 [Note: commit protocol]
@@ -20,7 +21,10 @@ Layout (``save(root, ..., step=N)``; ``save(path, ...)`` uses ``path`` itself)::
    gathers them, fsyncs the directory, renames it to its final name, fsyncs
    the parent directory, and only then writes ``complete.json`` (temporary
    name, fsync, rename, fsync): the marker lists every file with its size and
-   checksum, the step and the world size.
+   checksum, the step, the world size and the commit's ``sequence`` (one more
+   than the highest among the committed checkpoints beside it: the commit
+   order, which ``latest`` follows; markers written before it existed have
+   none and order by their ``created`` time, before every sequenced one).
 A directory is a checkpoint if and only if it holds a valid marker. A process
 killed at any point leaves either a ``.tmp-`` directory (no marker) or, between
 the rename and the marker, a final-named directory without a marker; neither is
@@ -42,7 +46,7 @@ import shutil
 import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -62,6 +66,7 @@ __all__ = [
     "latest",
     "list_checkpoints",
     "new_token",
+    "next_sequence",
     "prune",
     "read_marker",
     "remove_uncommitted",
@@ -96,6 +101,9 @@ class Marker:
     step: int | None = None
     created: float = field(default_factory=time.time)
     version: int = FORMAT_VERSION
+    # Commit order among the checkpoints of one root (set by ``commit``); None
+    # in markers written before it was added.
+    sequence: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -105,6 +113,7 @@ class Marker:
                 "step": self.step,
                 "world_size": self.world_size,
                 "created": self.created,
+                "sequence": self.sequence,
                 "files": {k: {"size": v.size, "crc32": v.crc32} for k, v in sorted(self.files.items())},
             },
             indent=1,
@@ -152,17 +161,53 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The newest committed checkpoint under ``root`` (the highest ``step-N``
-    directory whose completion marker is valid), or ``None`` if there is none.
+def _committed(root: Path) -> list[tuple[Marker, Path]]:
+    """Every directory directly under ``root`` with a valid completion marker,
+    whatever its name, hidden ones too (``.old-`` copies of a replaced one)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        if not (child / MARKER_NAME).is_file():
+            continue
+        try:
+            found.append((read_marker(child), child))
+        except CheckpointError:
+            continue
+    return found
 
-    Pure file-system look-up (no communication); partial saves are ignored.
+
+def _commit_order(marker: Marker) -> tuple[bool, int, float]:
+    """Sort key: sequenced markers by sequence, after the older unsequenced
+    ones, which go by their commit time."""
+    return (marker.sequence is not None, marker.sequence or 0, marker.created)
+
+
+def next_sequence(root: Path) -> int:
+    """The commit sequence for the next checkpoint committed under ``root``."""
+    return 1 + max((m.sequence or 0 for m, _ in _committed(root)), default=0)
+
+
+def latest(root: str | os.PathLike[str]) -> Path | None:
+    """The newest committed checkpoint under ``root``, or ``None`` if there is
+    none: of the directories directly under ``root`` that hold a valid
+    completion marker, whatever their names (``step-N`` from ``save(root,
+    ..., step=N)``, or any ``save(root / name, ...)``), the one committed last
+    (by the commit sequence in its marker; for markers written before shardwise
+    recorded one, by the commit time they hold, and before any newer one).
+
+    Pure file-system look-up (no communication). Saves in progress or killed
+    (no marker), hidden directories (``.<name>.tmp-`` / ``.old-``) and
+    directories that are not checkpoints are ignored.
 
     Args:
-        root: the directory that ``save(root, ..., step=N)`` writes into.
+        root: the directory that ``save(root, ..., step=N)`` (or ``save(root /
+            name, ...)``) writes into.
     """
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
+    found = [(m, p) for m, p in _committed(Path(root)) if not p.name.startswith(".")]
+    if not found:
+        return None
+    return max(found, key=lambda mp: (_commit_order(mp[0]), mp[1].name))[1]
 
 
 # ---- durability ---------------------------------------------------------------------
@@ -247,11 +292,13 @@ def read_marker(directory: Path) -> Marker:
             raise ValueError(f"version {raw.get('version')!r} is not {FORMAT_VERSION}")
         files = {str(k): FileRecord(int(v["size"]), int(v["crc32"])) for k, v in raw["files"].items()}
         step = raw.get("step")
+        sequence = raw.get("sequence")
         return Marker(
             files=files,
             world_size=int(raw["world_size"]),
             step=None if step is None else int(step),
             created=float(raw.get("created", 0.0)),
+            sequence=None if sequence is None else int(sequence),
         )
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{str(path)!r} is corrupted ({exc}); this checkpoint cannot be trusted.") from None
@@ -307,7 +354,9 @@ def _is_checkpoint_file(name: str) -> bool:
 
 
 def commit(tmp: Path, final: Path, marker: Marker, token: str) -> None:
-    """Make the staged checkpoint ``tmp`` visible as ``final`` (see the note)."""
+    """Make the staged checkpoint ``tmp`` visible as ``final`` (see the note);
+    the marker written gets the next commit sequence under ``final``'s parent."""
+    marker = replace(marker, sequence=next_sequence(final.parent))
     fsync_dir(tmp)
     old = None
     if final.exists():
