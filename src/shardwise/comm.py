@@ -76,7 +76,11 @@ class ReduceScatter(Comm):
 def all_gather_tensor(
     output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
 ) -> WorkHandle | None:
-    """``torch.distributed``'s all-gather into one tensor, under its current name."""
+    """``torch.distributed``'s all-gather into one tensor, under its current name.
+    One-byte floats (float8, e.g. torchao's all-gathered weights) travel as
+    bytes: gloo has no float8 type, and an all-gather moves bytes unchanged."""
+    if input_tensor.dtype.is_floating_point and input_tensor.dtype.itemsize == 1:
+        output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
     return cast("WorkHandle | None", _all_gather(output_tensor, input_tensor, group=group, async_op=async_op))
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.profiler import record_function
 
 from shardwise.comm import (
@@ -239,7 +241,8 @@ class ParamGroup:
             views = [flat[a:b].view(p.layout.padded_shape) for p, a, b in zip(self.params, offs, offs[1:])]
         else:
             self.flat_sharded = None
-            views = [s.new_empty(p.layout.padded_shape, device=device) for p, s in zip(self.params, sources)]
+            # new_zeros, as PyTorch pads: the op subclasses preserve (torchao's float8 weights).
+            views = [s.new_zeros(p.layout.padded_shape, device=device) for p, s in zip(self.params, sources)]
         for p, view, src in zip(self.params, views, sources):
             p.orig_dtype = src.dtype
             p.adopt_storage(view, src)
@@ -313,7 +316,11 @@ class ParamGroup:
         for p, dtype in zip(self.params, self._packed_dtypes):
             if p.has_extensions:
                 for buf in p.extension_buffers(self.device):
-                    buf.view(num, -1).copy_(next(views))
+                    # The unsharded parameter may alias these buffers (e.g. a
+                    # post-hook returning them): refilling them must not bump
+                    # its version, or autograd's saved copy looks modified.
+                    with _same_version(buf):
+                        buf.view(num, -1).copy_(next(views))
                 p.finish_extension(dtype)
             else:
                 full = p.ensure_unsharded(dtype, self.device)
@@ -601,6 +608,12 @@ class ParamGroup:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
         self._partial = None
+
+
+def _same_version(t: torch.Tensor) -> AbstractContextManager[Any]:
+    """Writes inside leave ``t``'s autograd version unchanged (as PyTorch's
+    all-gather copy-out does); inference tensors have no version."""
+    return nullcontext() if t.is_inference() else _unsafe_preserve_version_counter(t)
 
 
 def unsharded_bytes(group: ParamGroup) -> int:
