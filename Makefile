@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: venv train test bench clean
+.PHONY: venv train test bench test-system bench-gpu gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,21 @@ test: venv
 
 bench: venv
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_step.py
+
+# On a machine whose python already has torch (e.g. a GPU box without network):
+# no virtual environment, the source tree on PYTHONPATH.
+test-system:
+	OMP_NUM_THREADS=1 PYTHONPATH=src $(PYTHON) -m pytest -q tests
+
+bench-gpu:
+	PYTHONPATH=src $(PYTHON) benchmarks/bench_gpu.py --json bench_gpu.json --trace gpu_trace
+
+# Everything a lent GPU should run, in order: the CUDA tests, the GPU benchmark
+# with its trace, then the whole suite.
+gpu-check:
+	PYTHONPATH=src $(PYTHON) -m pytest -q -rs tests/gpu
+	$(MAKE) bench-gpu
+	$(MAKE) test-system
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

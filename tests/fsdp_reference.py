@@ -5,11 +5,30 @@ because tests/conftest.py puts this folder on ``sys.path``."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+
+
+TORCH_VERSION: tuple[int, int] = tuple(  # type: ignore[assignment]
+    int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups()  # type: ignore[union-attr]
+)
+"""(major, minor) of the installed torch."""
+
+
+def needs_torch(major: int, minor: int, what: str) -> pytest.MarkDecorator:
+    """Skip a test that compares with PyTorch behaviour first found in
+    ``major.minor`` (``what``) when an older torch is installed. On that
+    version and later the test runs unchanged."""
+    return pytest.mark.skipif(
+        TORCH_VERSION < (major, minor),
+        reason=f"compares with PyTorch >= {major}.{minor}'s {what}; this is torch {torch.__version__}",
+    )
 
 
 class Block(nn.Module):

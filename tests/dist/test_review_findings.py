@@ -20,6 +20,7 @@ from fsdp_reference import (  # noqa: E402  (shared with the other review file)
     _sw,
     _train_compare,
     _x,
+    needs_torch,
 )
 from torch.distributed.tensor import DTensor, Shard
 
@@ -99,6 +100,7 @@ def test_child_forward_before_root_raises():
 
 
 # reset_iter_state on a non-root FSDP module raises RuntimeError in PyTorch.
+@needs_torch(2, 13, "FSDPModule.reset_iter_state")
 @multi_rank(world_sizes=(2,))
 def test_reset_iter_state_on_non_root_raises():
     a, b = _both()
@@ -556,6 +558,7 @@ def test_meta_init_to_empty_reset_parameters_matches_torch():
 
 
 # An exception mid-forward, reset_iter_state on the root, then training resumes.
+@needs_torch(2, 13, "FSDPModule.reset_iter_state")
 @multi_rank(world_sizes=(2,))
 def test_exception_mid_forward_then_reset():
     a, b = _both()
@@ -832,6 +835,7 @@ class TiedNet(nn.Module):
         return self.head(self.emb(x))
 
 
+@needs_torch(2, 13, "ValueError for a parameter shared across groups (older versions raise nothing)")
 @multi_rank(world_sizes=(2,))
 def test_shared_param_across_groups_error_timing():
     got = {}

@@ -1,0 +1,261 @@
+"""GPU training-step benchmark at world size 1 (NCCL): shardwise vs. PyTorch's
+``fully_shard``, with and without CPU offload, and an unsharded local run.
+
+Every config trains the same GPT (``shardwise.models``; default 12 layers,
+d=1024, seq 1024, vocab 32768, batch 8) with AdamW on synthetic batches, on one
+CUDA device, in one process (one launch):
+
+* ``shardwise``         - ``shardwise.fully_shard`` per block, then the root;
+  bf16 parameters, fp32 gradient reduction (``MixedPrecisionPolicy``);
+* ``torch_fsdp``        - ``torch.distributed.fsdp.fully_shard``, the same way;
+* ``shardwise_offload`` / ``torch_offload`` - the same with
+  ``CPUOffloadPolicy()`` (shards, gradients and the optimizer step on the CPU);
+* ``local``             - the model unsharded on the GPU under bf16 autocast
+  (fp32 master weights): the no-FSDP yardstick.
+
+At world size 1 the collectives copy within the device; what is measured is
+each engine's own overhead (copies, hooks, allocation) and, with offload, the
+host-device traffic. Per config: the median step time (forward, backward,
+optimizer step, ``zero_grad``; CUDA-synchronized) over ``--steps`` steps after
+``--warmup``, tokens/s, and the peak ``torch.cuda.max_memory_allocated`` over
+those steps. Configs are interleaved over ``--repeats`` repeats; the table
+shows each config's median over repeats and its ratio to ``torch_fsdp`` (to
+``torch_offload`` for the offload configs).
+
+``--trace DIR`` also records a short profiler trace of shardwise (with and
+without offload) and prints an overlap analysis: for every all-gather kernel,
+whether it ran while a compute kernel of the default stream was running, and
+for every host-to-device copy, the same.
+
+Example: ``python benchmarks/bench_gpu.py --json gpu.json --trace /tmp/trace``
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import run_repeats, write_json
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if importlib.util.find_spec("shardwise") is None:  # not pip-installed: use the source tree
+    sys.path.insert(0, str(SRC))
+
+from shardwise.models import GPT, GPTConfig  # noqa: E402
+
+CONFIGS = ("shardwise", "torch_fsdp", "shardwise_offload", "torch_offload", "local")
+MIB = 2**20
+
+
+def build(config: str, cfg: GPTConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer, bool]:
+    """The model of ``config`` on the GPU (or its shards on the CPU when
+    offloading), its optimizer, and whether it runs under autocast."""
+    torch.manual_seed(0)
+    offload = config.endswith("_offload")
+    model = GPT(cfg)  # built on the CPU (same weights for every config), then placed
+    if config == "local":
+        model.cuda()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), True
+    if config.startswith("shardwise"):
+        from shardwise import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    kw: dict[str, Any] = {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+    }
+    if not offload:
+        model.cuda()
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    # Offloaded shards step on the CPU (as PyTorch documents); else fused CUDA AdamW.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not offload)
+    return model, opt, False
+
+
+def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, n_layers=args.layers,
+                    n_heads=args.heads)
+    try:
+        torch.cuda.empty_cache()
+        model, opt, autocast = build(config, cfg)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device="cuda", generator=gen)
+        y = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device="cuda", generator=gen)
+
+        def step() -> float:
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                loss = GPT.loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return float(loss.detach())
+
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times, losses = [], []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            losses.append(step())  # .item() synchronizes
+            times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated()
+        med = statistics.median(times)
+        out = {"step_s": med, "tokens_per_s": args.batch * cfg.seq_len / med,
+               "peak_alloc_mib": peak / MIB, "loss_first": losses[0], "loss_last": losses[-1]}
+        del model, opt
+        return out
+    except Exception as exc:  # noqa: BLE001 - a failing config is reported, not fatal
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def baseline_of(config: str) -> str:
+    return "torch_offload" if config.endswith("_offload") else "torch_fsdp"
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    med: dict[str, dict[str, float]] = {}
+    for config, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        if ok:
+            med[config] = {k: statistics.median(r[k] for r in ok) for k in ("step_s", "tokens_per_s", "peak_alloc_mib")}
+    summary: dict[str, Any] = {}
+    print(f"\n{'config':<18}{'step ms':>9}{'tok/s':>10}{'peak MiB':>10}{'step x':>8}{'mem x':>7}  (vs)")
+    for config, m in med.items():
+        base = med.get(baseline_of(config))
+        rs = (m["step_s"] / base["step_s"]) if base else float("nan")
+        rm = (m["peak_alloc_mib"] / base["peak_alloc_mib"]) if base else float("nan")
+        summary[config] = {**m, "step_ratio": rs, "mem_ratio": rm, "baseline": baseline_of(config)}
+        print(f"{config:<18}{m['step_s'] * 1e3:>9.1f}{m['tokens_per_s']:>10.0f}{m['peak_alloc_mib']:>10.0f}"
+              f"{rs:>8.2f}{rm:>7.2f}  ({baseline_of(config)})")
+    for config, rs in runs.items():
+        for r in rs:
+            if "error" in r:
+                print(f"{config}: FAILED {r['error']}")
+                break
+    return summary
+
+
+# ---- trace and overlap ----------------------------------------------------------
+
+
+def _intervals(events: list[dict[str, Any]], pred: Any) -> list[tuple[float, float, int, str]]:
+    return [(e["ts"], e["ts"] + e.get("dur", 0), e.get("tid", 0), e["name"]) for e in events if pred(e)]
+
+
+def _overlaps(iv: tuple[float, float, int, str], others: list[tuple[float, float, int, str]]) -> float:
+    """Microseconds of ``iv`` covered by some interval of ``others``."""
+    a, b = iv[0], iv[1]
+    cover = sorted((max(a, s), min(b, e)) for s, e, _, _ in others if s < b and e > a)
+    total, end = 0.0, a
+    for s, e in cover:
+        s = max(s, end)
+        if e > s:
+            total += e - s
+            end = e
+    return total
+
+
+def analyze(trace_file: Path) -> dict[str, Any]:
+    """Per all-gather kernel and per H2D copy: the share of its time that a
+    compute kernel on another stream covered."""
+    import json
+
+    events = [e for e in json.loads(trace_file.read_text())["traceEvents"] if e.get("ph") == "X"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")]
+    kernels = _intervals(gpu, lambda e: e.get("cat") == "kernel")
+    gathers = [k for k in kernels if "AllGather" in k[3] or "all_gather" in k[3].lower()]
+    compute = [k for k in kernels if "nccl" not in k[3].lower()]
+    h2d = _intervals(gpu, lambda e: e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"])
+    copies_out = [k for k in kernels if "copy" in k[3].lower() or "cat" in k[3].lower()]
+
+    def share(items: list[tuple[float, float, int, str]]) -> dict[str, Any]:
+        if not items:
+            return {"count": 0}
+        per = [(_overlaps(i, [c for c in compute if c[2] != i[2]]) / max(i[1] - i[0], 1e-9)) for i in items]
+        return {"count": len(items), "total_us": sum(i[1] - i[0] for i in items),
+                "overlapped_share_mean": statistics.mean(per),
+                "fully_overlapped": sum(p > 0.95 for p in per), "not_overlapped": sum(p < 0.05 for p in per)}
+
+    return {"all_gather": share(gathers), "h2d": share(h2d), "compute_kernels": len(compute),
+            "copy_kernels": len(copies_out),
+            "compute_us": sum(k[1] - k[0] for k in compute)}
+
+
+def trace(args: argparse.Namespace) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    out: dict[str, Any] = {}
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, n_layers=args.layers,
+                    n_heads=args.heads)
+    args.trace.mkdir(parents=True, exist_ok=True)
+    for config in ("shardwise", "shardwise_offload", "torch_fsdp", "torch_offload"):
+        model, opt, _ = build(config, cfg)
+        x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device="cuda")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     schedule=schedule(wait=1, warmup=1, active=1)) as prof:
+            for _ in range(3):
+                GPT.loss(model(x), x).backward()
+                opt.step()
+                opt.zero_grad()
+                torch.cuda.synchronize()
+                prof.step()
+        path = args.trace / f"{config}.json"
+        prof.export_chrome_trace(str(path))
+        out[config] = analyze(path)
+        print(f"trace {config}: {out[config]}", flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--trace", type=Path, help="also write profiler traces here and analyze overlap")
+    args = p.parse_args()
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in args.configs:
+        if c not in CONFIGS:
+            p.error(f"--configs: unknown config {c!r}; choose from {', '.join(CONFIGS)}")
+    if not torch.cuda.is_available():
+        sys.exit("bench_gpu.py needs a CUDA device (see benchmarks/bench_step.py for CPU/gloo)")
+    torch.cuda.set_device(0)
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {args.layers}x{args.dim} "
+          f"seq {args.seq} batch {args.batch}", flush=True)
+    runs = run_repeats(args, run_config)
+    summary = summarize(runs)
+    if args.trace:
+        summary["trace"] = trace(args)
+    if args.json:
+        write_json(args.json, args, summary, runs)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
