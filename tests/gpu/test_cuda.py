@@ -93,6 +93,25 @@ def test_cpu_offload_compute_on_cuda():
         assert p.to_local().device.type == "cpu"
 
 
+def test_cpu_offload_gradients_accumulate_on_cuda():
+    """Offloaded gradients reach the host in one asynchronous copy per
+    reduction into pinned memory: the second backward's accumulation and the
+    optimizer read them only once the copy has landed."""
+    from shardwise import CPUOffloadPolicy
+    from shardwise.models import GPT, synthetic_batch
+
+    ref, cfg = _gpt()
+    model = copy.deepcopy(ref).cpu()
+    _shard(model, offload_policy=CPUOffloadPolicy(pin_memory=True))
+    for step in range(2):  # two micro-batches, gradients summed
+        x, y = synthetic_batch(cfg, 4, seed=step)
+        GPT.loss(model(x.cuda()), y.cuda()).backward()
+        GPT.loss(ref(x.cuda()), y.cuda()).backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.to_local().device.type == "cpu" and p.grad.to_local().is_pinned(), name
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad.cpu(), rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_prefetch_is_in_flight_while_previous_block_computes():
     model, cfg = _gpt()
     _shard(model)

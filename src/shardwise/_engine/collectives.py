@@ -205,6 +205,24 @@ def finish_all_gather(result: AllGatherResult, fulls: Sequence[torch.Tensor], wh
     layouts, offs = result.layouts, result.offsets
     num_shards = layouts[0].num_shards if layouts else 1
     gathered = result.output.view(num_shards, -1)
+    if all(layout.dim == 0 for layout in layouts):
+        # [Note: fused copies] One op splits the buffer into per-parameter
+        # views, one foreach copy fills every parameter whose rows divide
+        # evenly (its [num_shards, chunk numel] view is exactly its part of
+        # each rank's row); only uneven ones take their own (two) copies.
+        pieces = torch.split_with_sizes(gathered, [layout.padded_numel for layout in layouts], dim=1)
+        dsts, srcs = [], []
+        for full, piece, layout in zip(fulls, pieces, layouts):
+            if layout.chunk == 0:
+                continue
+            if layout.chunk * num_shards == layout.dim_size and full.is_contiguous():
+                dsts.append(full.view(num_shards, -1))
+                srcs.append(piece)
+            else:
+                layout.gather_into(full, piece.view(num_shards, *layout.padded_shape))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        return
     for full, start, end, layout in zip(fulls, offs, offs[1:], layouts):
         layout.gather_into(full, gathered[:, start:end].view(num_shards, *layout.padded_shape))
 
@@ -225,8 +243,15 @@ def start_reduce_scatter(
     num_shards = layouts[0].num_shards
     inp = allocate(comm, num_shards * total, dtype, device, where, "ReduceScatter")
     rows = inp.view(num_shards, total)
-    for grad, start, end, layout in zip(grads, offs, offs[1:], layouts):
-        layout.scatter_from(grad, rows[:, start:end].view(num_shards, *layout.padded_shape))
+    if all(layout.dim == 0 and layout.chunk > 0 for layout in layouts):
+        # [Note: fused copies]: one op pads every gradient's rows to a multiple
+        # of num_shards and lays the chunks out rank-major (torch.chunk's cut,
+        # the padding zeroed), as PyTorch's FSDP does; gradients in another
+        # dtype are cast first, as there.
+        torch._chunk_cat([g if g.dtype == dtype else g.to(dtype) for g in grads], 0, num_shards, out=rows)
+    else:
+        for grad, start, end, layout in zip(grads, offs, offs[1:], layouts):
+            layout.scatter_from(grad, rows[:, start:end].view(num_shards, *layout.padded_shape))
     if predivide != 1.0:
         inp.div_(predivide)
     if not communicates(comm, group):

@@ -312,6 +312,9 @@ class ModuleState:
                 # one (set_is_last_backward) is where PyTorch waits on streams,
                 # which shardwise's async work handles make unnecessary.
                 ctx.drain(keep=0)
+                for state in ctx.states:
+                    if state.group is not None:
+                        state.group.wait_for_offloaded_grads()  # before the optimizer reads them
             finally:
                 ctx.post_forward_order.clear()
                 ctx.final_callback_queued = False

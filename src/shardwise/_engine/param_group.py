@@ -133,6 +133,7 @@ class ParamGroup:
         self.device = device  # compute device: where unsharded parameters live
         self.storage_device = storage_device  # where shards live (CPU when offloaded)
         self.pin_memory = pin_memory
+        self._offload_events: list[Any] = []  # gradient copies to the host in flight
         self.name = name
         self.mp = mp
         self.sharded_state = ShardedState.SHARDED
@@ -575,11 +576,43 @@ class ParamGroup:
         # Our own buffers are fresh per call, so gradients may be views of them.
         alias = coll.is_default(self.reduce_scatter_comm)
         grad_dtype = self.mp.param_dtype if self.keep_low_precision_grads else None
+        host = self._offload_copy(out, pr.params, grad_dtype)
+        if host is not None:
+            out, alias = host, True
         offs = pr.result.offsets
         for p, a, b in zip(pr.params, offs, offs[1:]):
             shard = out[a:b].view(p.layout.padded_shape).narrow(p.shard_dim, 0, p.layout.local_rows)
+            if host is not None and p.sharded_param.grad is not None:
+                self.wait_for_offloaded_grads()  # accumulating reads the host copy now
             p.shard_grad(shard if alias else shard.clone(), dtype=grad_dtype)
         return True
+
+    def _offload_copy(
+        self, out: torch.Tensor, params: list[ShardedParam], grad_dtype: torch.dtype | None
+    ) -> torch.Tensor | None:
+        """Offloaded shards on pinned host memory, gradients reduced on an
+        accelerator: the whole reduced buffer goes to the host in one
+        asynchronous copy into pinned memory (cast first, on the device), its
+        end recorded as an event that ``finalize_backward`` waits for before
+        the optimizer can read it (as PyTorch's offload does per parameter).
+        None where that does not apply (per-parameter copies then)."""
+        if not self.pin_memory or out.device.type == "cpu" or self.storage_device.type != "cpu":
+            return None
+        dtypes = {grad_dtype or p.orig_dtype for p in params}
+        if len(dtypes) != 1:
+            return None
+        host = torch.empty(out.shape, dtype=dtypes.pop(), pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        event = torch.Event(out.device)
+        event.record()
+        self._offload_events.append(event)
+        return host
+
+    def wait_for_offloaded_grads(self) -> None:
+        """Block until every asynchronous gradient copy to the host has landed."""
+        for event in self._offload_events:
+            event.synchronize()
+        self._offload_events.clear()
 
     def finalize_backward(self) -> None:
         """End of backward: reduce what hooks missed, reshard, reset state."""
