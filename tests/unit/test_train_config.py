@@ -72,7 +72,7 @@ def test_micro_batch_splits_the_global_batch():
         (["--data", "/no/such/file.txt"], "data='/no/such/file.txt' does not exist"),
         (["--nproc", "32"], "batch_size=16 sequences cannot be split evenly over 32 ranks"),
         (["--nproc", "3"], "use a number of ranks in {1, 2, 4, 8, 16} (--nproc"),
-        (["--strategy", "hybrid", "--shard-size", "3"], "shard groups must divide the world"),
+        (["--strategy", "hybrid", "--shard-size", "3", "--device", "cpu"], "shard groups must divide the world"),
         (["--shard-size", "2"], "only applies to strategy='hybrid'"),
         (["--init-from", "/no/model.safetensors"], "init_from='/no/model.safetensors' does not exist"),
     ],
