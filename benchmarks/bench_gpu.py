@@ -13,6 +13,9 @@ CUDA device, in one process (one launch):
 * ``local``             - the model unsharded on the GPU under bf16 autocast
   (fp32 master weights): the no-FSDP yardstick.
 
+``--compile`` compiles every block in place (``block.compile()``, inductor)
+after wrapping, as torchtitan does; the warm-up steps absorb compilation.
+
 At world size 1 the collectives copy within the device; what is measured is
 each engine's own overhead (copies, hooks, allocation) and, with offload, the
 host-device traffic. Per config: the median step time (forward, backward,
@@ -90,6 +93,9 @@ def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         torch.cuda.empty_cache()
         model, opt, autocast = build(config, cfg)
+        if args.compile:
+            for block in model.blocks:  # as torchtitan: each block compiled in place (inductor)
+                block.compile()
         gen = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device="cuda", generator=gen)
         y = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device="cuda", generator=gen)
@@ -234,6 +240,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="compile every block (module.compile(), inductor)")
     p.add_argument("--json", type=Path)
     p.add_argument("--trace", type=Path, help="also write profiler traces here and analyze overlap")
     args = p.parse_args()
