@@ -375,11 +375,13 @@ class ShardedParam:
 
     # ---- unsharded side -----------------------------------------------------
     def unsharded_local(self) -> torch.Tensor:
-        """The plain tensor holding the unsharded data (a TP DTensor's local)."""
+        """The plain tensor holding the unsharded data (a TP DTensor's local),
+        as a ``.data`` alias: gathering into it must not bump the version of
+        what autograd saved (a compiled graph saves a TP DTensor's local)."""
         p = self.unsharded_param
         if p is None:
             raise AssertionError(f"{self.fqn}: unsharded parameter was never created")
-        return local_of(p) if isinstance(p, DTensor) else p.data
+        return local_of(p).data if isinstance(p, DTensor) else p.data
 
     def ensure_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Allocate the unsharded parameter's storage and return the plain tensor
