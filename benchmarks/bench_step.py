@@ -8,7 +8,10 @@ CPU with the gloo backend, ``--nproc`` ranks (default 2), one thread per rank:
 * ``ddp``        - ``DistributedDataParallel`` (full replica per rank, gradient all-reduce);
 * ``local``      - each rank trains its own full copy, no communication at all;
 * ``shardwise_int8`` - shardwise with ``QuantizedAllGather`` (int8 + per-block scales)
-  as every module's all-gather (``set_custom_all_gather``).
+  as every module's all-gather (``set_custom_all_gather``);
+* ``shardwise_compiled`` / ``torch_compiled`` (on request only) - ``shardwise`` /
+  ``torch_fsdp`` with every block then compiled in place (``block.compile()``,
+  inductor), as torchtitan does; the warm-up steps absorb compilation.
 
 The ``AG MiB/step`` column is the bytes each rank receives from parameter
 all-gathers per step (counted at ``all_gather_single``), for the FSDP configs.
@@ -68,6 +71,8 @@ except Exception:  # noqa: BLE001 - the package itself is broken: load the model
     GPT, GPTConfig, synthetic_batch = _models.GPT, _models.GPTConfig, _models.synthetic_batch
 
 CONFIGS = ("shardwise", "torch_fsdp", "ddp", "local", "shardwise_int8")
+# Not in the default set (compiling takes a minute per config): ask for them by name.
+EXTRA_CONFIGS = ("shardwise_compiled", "torch_compiled")
 BASELINE = "torch_fsdp"
 MIB = 2**20
 
@@ -123,6 +128,9 @@ def wrap(config: str, model: GPT, args: argparse.Namespace, world_size: int) -> 
     for block in model.blocks:
         fully_shard(block, **kwargs)
     model = fully_shard(model, **kwargs)
+    if config.endswith("_compiled"):
+        for block in model.blocks:
+            block.compile()
     if config == "shardwise_int8":
         from shardwise import FSDPModule, QuantizedAllGather
 
@@ -288,9 +296,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write all results to this file")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = sorted(set(args.configs) - set(CONFIGS))
+    unknown = sorted(set(args.configs) - set(CONFIGS) - set(EXTRA_CONFIGS))
     if unknown or not args.configs:
-        p.error(f"--configs: unknown {unknown}; choose from {','.join(CONFIGS)}")
+        p.error(f"--configs: unknown {unknown}; choose from {','.join(CONFIGS + EXTRA_CONFIGS)}")
     if args.nproc < 1 or args.steps < 1 or args.warmup < 0 or args.repeats < 1:
         p.error("--nproc, --steps and --repeats must be >= 1, --warmup >= 0")
     return args
