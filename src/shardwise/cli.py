@@ -58,7 +58,8 @@ def train_command(ns: argparse.Namespace) -> None:
 
     from shardwise.errors import ShardwiseError
     from shardwise.train.config import config_from_flags
-    from shardwise.train.launch import dry_run, launch, preflight, torchrun_world
+    from shardwise.train.launch import dry_run, preflight, torchrun_world
+    from shardwise.train.loop import launch
 
     try:
         cfg = config_from_flags(ns)

@@ -126,6 +126,49 @@ def test_imports_flow_one_way(name, path):
         assert _layer(imported) <= own, f"{name} (layer {own}) imports {imported} (layer {_layer(imported)})"
 
 
+def test_no_import_cycles():
+    """No two library modules reach each other by imports, counting every
+    import: function-level (lazy) and ``TYPE_CHECKING`` ones too. ``from
+    pkg import sub`` counts as importing the submodule ``pkg.sub``."""
+    mods = dict(_modules())
+    edges: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    stem = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    stem = node.module or ""
+                found = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in mods else stem for a in node.names]
+            elif isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            else:
+                continue
+            for t in found:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != name and t != "shardwise" and t.startswith("shardwise"):
+                    targets.add(t)
+        edges[name] = targets
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for nxt in edges[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    reached = {m: reach(m) for m in mods}
+    cycles = sorted({tuple(sorted((a, b))) for a in mods for b in edges[a] if a in reached[b]})
+    assert not cycles, f"import cycles: {cycles}"
+
+
 def test_engine_never_imports_the_fronts():
     """The wrapper API sits on the engine; the engine knows nothing of it."""
     for name, path in _modules():

@@ -145,7 +145,7 @@ class ModuleState:
         self.is_root: bool | None = None  # decided at the first forward
         # A misuse found by fully_shard that PyTorch reports at the first forward.
         self.deferred_error: str | None = None
-        self.ctx = group.ctx if group is not None else IterationContext()
+        self.ctx: IterationContext[ModuleState] = group.ctx if group is not None else IterationContext()
         self.name = type(modules[0]).__name__
         # For a list of modules: those whose forward has not finished yet.
         self._modules_to_run: set[int] = set()

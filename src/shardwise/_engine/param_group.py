@@ -27,7 +27,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,8 @@ from shardwise.policies import MixedPrecisionPolicy
 from . import collectives as coll
 from .sharded_param import ShardedParam, ShardedState, ShardLayout, free_storage
 
-if TYPE_CHECKING:
-    from .module_state import ModuleState
+# The module state type (module_state.ModuleState, which imports this module).
+S = TypeVar("S")
 
 
 class TrainingState(Enum):
@@ -73,11 +73,12 @@ class PendingReduction:
 
 
 @dataclass
-class IterationContext:
-    """State shared by every group under one root, for one iteration at a time."""
+class IterationContext(Generic[S]):
+    """State shared by every group under one root, for one iteration at a time
+    (``S``: the module-state type, ``module_state.ModuleState``)."""
 
-    root: ModuleState | None = None
-    states: list[ModuleState] = field(default_factory=list)
+    root: S | None = None
+    states: list[S] = field(default_factory=list)
     # Groups in pre-forward order, recorded during the first forward; then frozen.
     forward_order: list[ParamGroup] | None = None
     recording: list[ParamGroup] = field(default_factory=list)
@@ -138,7 +139,7 @@ class ParamGroup:
         self.mp = mp
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.ctx = IterationContext()
+        self.ctx: IterationContext[Any] = IterationContext()
         self.all_gather_comm: AllGather = DefaultAllGather()
         self.reduce_scatter_comm: ReduceScatter = DefaultReduceScatter()
         self._in_flight: coll.AllGatherResult | coll.PackedGatherResult | None = None

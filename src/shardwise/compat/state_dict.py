@@ -28,7 +28,7 @@ load a sharded dict saved under another world size, read it with
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from shardwise._engine.param_group import ParamGroup
 from shardwise.errors import ConfigError, ConfigTypeError, MismatchError
 
 from .config import (
@@ -45,10 +46,23 @@ from .config import (
     StateDictSettings,
     StateDictType,
 )
-from .managed import WRAPPED_MODULE, OwnTensor, is_wrapper, own_tensors
+from .managed import WRAPPED_MODULE, Ignored, OwnTensor, is_wrapper, own_tensors
+from .strategies import StrategyPlan
 
-if TYPE_CHECKING:
-    from .wrapper import FullyShardedDataParallel
+
+
+class WrapperState(Protocol):
+    """What this module reads and sets on a ``FullyShardedDataParallel``,
+    typed structurally: the wrapper imports this module, never the reverse."""
+
+    _fsdp_wrapped_module: nn.Module
+    _ignored: Ignored
+    _buffer_dtypes: dict[str, torch.dtype]
+    _state_dict_settings: StateDictSettings
+    _plan: StrategyPlan
+
+    @property
+    def _group(self) -> ParamGroup | None: ...
 
 __all__ = [
     "clean_name",
@@ -74,9 +88,9 @@ def clean_name(name: str) -> str:
     return name
 
 
-def wrappers_under(module: nn.Module) -> list[FullyShardedDataParallel]:
+def wrappers_under(module: nn.Module) -> list[WrapperState]:
     """Every wrapper in ``module``'s subtree (``module`` included), in module order."""
-    return [m for m in module.modules() if is_wrapper(m)]  # type: ignore[misc]
+    return [cast(WrapperState, m) for m in module.modules() if is_wrapper(m)]
 
 
 # ---- settings ---------------------------------------------------------------------
@@ -165,7 +179,7 @@ def _like(target: DTensor, local: torch.Tensor) -> DTensor:
     )
 
 
-def _is_mesh_rank0(wrapper: FullyShardedDataParallel) -> bool:
+def _is_mesh_rank0(wrapper: WrapperState) -> bool:
     coordinate = wrapper._plan.mesh.get_coordinate()
     return coordinate is not None and all(c == 0 for c in coordinate)
 
@@ -198,7 +212,7 @@ def _save_value(
 
 
 def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    wrapper: FullyShardedDataParallel = module  # type: ignore[assignment]
+    wrapper = cast(WrapperState, module)
     settings = wrapper._state_dict_settings
     kind, cfg = settings.state_dict_type, settings.state_dict_config
     inner_prefix = prefix + _SEGMENT
@@ -278,11 +292,11 @@ def _pre_load_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    wrapper: FullyShardedDataParallel = module  # type: ignore[assignment]
+    wrapper = cast(WrapperState, module)
     kind = wrapper._state_dict_settings.state_dict_type
     inner_prefix = prefix + _SEGMENT
     # The post-load hook reports errors under the original names.
-    _LOAD_ERRORS[wrapper] = error_msgs
+    _LOAD_ERRORS[module] = error_msgs
     group = wrapper._group
     if group is not None:
         group.reshard()  # the targets below must be the sharded parameters
@@ -299,7 +313,7 @@ def _pre_load_hook(
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         # Saved dicts carry cleaned module names; loading looks modules up by raw names.
-        for raw, _ in wrapper.named_modules(prefix=prefix[:-1] if prefix else ""):
+        for raw, _ in module.named_modules(prefix=prefix[:-1] if prefix else ""):
             clean = clean_name(raw)
             if raw not in metadata and clean in metadata:
                 metadata[raw] = metadata[clean]

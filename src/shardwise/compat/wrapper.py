@@ -68,7 +68,6 @@ from .state_dict import (
     get_state_dict_type,
     register_state_dict_hooks,
     set_state_dict_type,
-    wrappers_under,
 )
 from .strategies import (
     HYBRID_STRATEGIES,
@@ -104,6 +103,11 @@ def _device_from_id(device_id: object) -> torch.device | None:
     if device_id.type == "cuda" and device_id.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device_id
+
+
+def _wrappers_under(module: nn.Module) -> list[FullyShardedDataParallel]:
+    """Every wrapper in ``module``'s subtree (``module`` included), in module order."""
+    return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -442,7 +446,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root is not None:
             return
         self._is_root = True
-        for w in wrappers_under(self):
+        for w in _wrappers_under(self):
             if w is not self:
                 w._is_root = False
             w._cast_buffers()
@@ -491,7 +495,7 @@ class FullyShardedDataParallel(nn.Module):
             module: any module.
             root_only: only the outermost wrappers. (Default: ``False``)
         """
-        wrappers = wrappers_under(module)
+        wrappers = _wrappers_under(module)
         if not root_only:
             return wrappers
         nested = {id(m) for w in wrappers for m in w.modules() if m is not w and is_wrapper(m)}
@@ -512,7 +516,7 @@ class FullyShardedDataParallel(nn.Module):
         ``SHARD_GRAD_OP`` also keeps its gathered parameters across backward."""
         self._require_root("no_sync()")
         saved = []
-        for w in wrappers_under(self):
+        for w in _wrappers_under(self):
             group = w._group
             if group is None:
                 continue
@@ -601,7 +605,7 @@ class FullyShardedDataParallel(nn.Module):
         self._require_root("register_comm_hook")
         if not callable(hook):
             raise ConfigTypeError(f"The communication hook must be callable, got {type(hook).__name__}.")
-        wrappers = wrappers_under(self)
+        wrappers = _wrappers_under(self)
         for w in wrappers:
             if w._plan.strategy in HYBRID_STRATEGIES:
                 raise ConfigError(

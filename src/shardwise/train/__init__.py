@@ -15,9 +15,9 @@ from shardwise.train.launch import (
     Plan,
     World,
     dry_run,
-    launch,
     preflight,
     torchrun_world,
 )
+from shardwise.train.loop import launch
 
 __all__ = ["Plan", "TrainConfig", "World", "dry_run", "launch", "load_toml", "preflight", "resolve", "torchrun_world"]

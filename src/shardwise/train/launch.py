@@ -7,10 +7,8 @@ reported here, not from inside a rank), print a dry run, and start the ranks
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import TextIO
 
@@ -30,7 +28,7 @@ from shardwise.train.model import (
 )
 from shardwise.train.report import fmt_bytes, table
 
-__all__ = ["Plan", "World", "dry_run", "estimates", "launch", "preflight", "torchrun_world"]
+__all__ = ["Plan", "World", "dry_run", "estimates", "preflight", "torchrun_world"]
 
 
 @dataclass(frozen=True)
@@ -244,45 +242,3 @@ def dry_run(plan: Plan, out: TextIO | None = None) -> None:
     print(f"an unsharded copy (DDP) would hold {fmt_bytes(unsharded)} of model state per rank; rank 0 holds "
           f"{fmt_bytes(per_rank[0].model_state)} ({per_rank[0].model_state / unsharded:.1%})", file=out)
     print("formula: shardwise.planner.memory, [Note: the per-rank memory formula]", file=out)
-
-
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (OSError, AttributeError):  # pragma: no cover - platforms without if_nameindex
-        return None
-    return next((n for n in names if n == "lo" or n.startswith("lo")), None)
-
-
-def launch(plan: Plan) -> None:
-    """Run the training: this process as one rank under torchrun, else
-    ``world.size`` spawned local processes (gloo or NCCL over 127.0.0.1).
-
-    Local ranks rendezvous through a TCP store hosted here, in the launcher,
-    on a port the OS picks: it outlives every rank, so no rank's exit can pull
-    the store from under another one still tearing down (and no two launches
-    race for a port).
-    """
-    from shardwise.train.loop import run_rank
-
-    if plan.world.torchrun:
-        run_rank(plan.world.rank, plan.world.size, plan, None)
-        return
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    # Each rank gets an equal share of the cores (one thread each on a small machine).
-    threads = max(1, (os.cpu_count() or 1) // plan.world.size)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    loopback = _loopback_interface()
-    if loopback is not None and plan.device_type == "cpu":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", 0, None, True, timeout=timedelta(minutes=10), wait_for_workers=False
-    )
-    try:
-        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-            run_rank, args=(plan.world.size, plan, store.port), nprocs=plan.world.size, start_method="spawn"
-        )
-    finally:
-        del store

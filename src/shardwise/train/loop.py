@@ -20,6 +20,7 @@ import faulthandler
 import json
 import math
 import os
+import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +47,7 @@ from shardwise.train.report import (
 )
 from shardwise.train.schedule import learning_rate
 
-__all__ = ["run_rank", "state_bytes", "train"]
+__all__ = ["launch", "run_rank", "state_bytes", "train"]
 
 
 def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[int, int]:
@@ -311,3 +312,41 @@ def run_rank(rank: int, world_size: int, plan: Plan, port: int | None) -> None:
     finally:
         dist.destroy_process_group()
 
+
+def _loopback_interface() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):  # pragma: no cover - platforms without if_nameindex
+        return None
+    return next((n for n in names if n == "lo" or n.startswith("lo")), None)
+
+
+def launch(plan: Plan) -> None:
+    """Run the training: this process as one rank under torchrun, else
+    ``world.size`` spawned local processes (gloo or NCCL over 127.0.0.1).
+
+    Local ranks rendezvous through a TCP store hosted here, in the launcher,
+    on a port the OS picks: it outlives every rank, so no rank's exit can pull
+    the store from under another one still tearing down (and no two launches
+    race for a port).
+    """
+    if plan.world.torchrun:
+        run_rank(plan.world.rank, plan.world.size, plan, None)
+        return
+    import torch.multiprocessing as mp
+
+    # Each rank gets an equal share of the cores (one thread each on a small machine).
+    threads = max(1, (os.cpu_count() or 1) // plan.world.size)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    loopback = _loopback_interface()
+    if loopback is not None and plan.device_type == "cpu":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, None, True, timeout=timedelta(minutes=10), wait_for_workers=False
+    )
+    try:
+        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+            run_rank, args=(plan.world.size, plan, store.port), nprocs=plan.world.size, start_method="spawn"
+        )
+    finally:
+        del store
