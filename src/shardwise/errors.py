@@ -14,6 +14,7 @@ __all__ = [
     "MismatchError",
     "UnsupportedError",
     "AlreadyShardedError",
+    "MixedDtypeError",
 ]
 
 
@@ -58,3 +59,8 @@ class UnsupportedError(ConfigError, NotImplementedError):
 
 class AlreadyShardedError(ConfigError, AssertionError):
     """fully_shard applied twice to one module (PyTorch asserts)."""
+
+
+class MixedDtypeError(ConfigError, AssertionError):
+    """The trainable parameters of one group differ in dtype and no
+    ``param_dtype`` makes them one (PyTorch asserts, at the first forward)."""

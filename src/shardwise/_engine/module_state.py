@@ -203,6 +203,12 @@ class ModuleState:
             if state.deferred_error is not None:
                 self.is_root = None
                 raise ValueError(state.deferred_error)
+            if state.group is not None:
+                try:  # as at fully_shard: parameters may have been (un)frozen since
+                    state.group.check_trainable_dtypes()
+                except ValueError:
+                    self.is_root = None
+                    raise
         ctx.states = states
         for state in states:
             state.ctx = ctx

@@ -113,6 +113,25 @@ class IterationContext(Generic[S]):
             self.pending.append(pr)  # its all-reduce is now in flight
 
 
+def check_trainable_dtypes(trainable: list[tuple[torch.dtype, str]], mp: MixedPrecisionPolicy) -> None:
+    """Raise ``MixedDtypeError`` if the ``(dtype, name)`` of one group's trainable
+    parameters name several dtypes and ``mp`` sets no ``param_dtype``. Frozen
+    parameters may differ (a bf16 base under fp32 adapters): the group then
+    all-gathers each in its own dtype, packed as bytes."""
+    dtypes = {dtype for dtype, _ in trainable}
+    if len(dtypes) <= 1 or mp.param_dtype is not None:
+        return
+    from shardwise.errors import MixedDtypeError
+
+    raise MixedDtypeError(
+        f"FSDP expects uniform original parameter dtype but got {sorted(map(str, dtypes))} among "
+        f"the trainable parameters of one fully_shard group "
+        f"({', '.join(f'{fqn}: {dtype}' for dtype, fqn in trainable[:4])}, ...). Give them one "
+        "dtype, set MixedPrecisionPolicy(param_dtype=...), freeze the odd ones, or shard the "
+        "differing modules separately."
+    )
+
+
 class ParamGroup:
     """Parameters that are gathered together and reduced together."""
 
@@ -220,6 +239,12 @@ class ParamGroup:
         """Whether one all-gather of the flat buffer in one dtype serves the
         group (no extensions, one gather dtype): the fast path."""
         return self.flat_sharded is not None and not any(p.has_extensions for p in self.params)
+
+    def check_trainable_dtypes(self) -> None:
+        """Refuse trainable parameters of several dtypes without ``param_dtype``,
+        as at ``fully_shard``: run again at the root's first forward (where
+        PyTorch checks), since ``requires_grad`` may have changed in between."""
+        check_trainable_dtypes([(p.orig_dtype, p.fqn) for p in self.params if p.requires_grad], self.mp)
 
     def reduce_dtype_for(self, grad: torch.Tensor) -> torch.dtype:
         return self.mp.reduce_dtype or grad.dtype

@@ -1,0 +1,462 @@
+"""One fully_shard group whose parameters differ in dtype: a frozen bfloat16
+base model under trainable float32 LoRA adapters, without ``param_dtype``.
+
+PyTorch 2.13's ``fully_shard`` accepts such a group (only the *trainable*
+parameters must share one dtype) and all-gathers it as one collective of bytes;
+shardwise packs it the same way (``start_packed_all_gather``). Checked here
+against PyTorch's ``fully_shard`` and an unsharded deep copy, over world sizes
+whose shards are uneven (and empty at 4 ranks): the same outputs, adapter
+gradients and parameters after AdamW steps, the same collectives; two
+trainable dtypes are still refused without ``param_dtype``; ``param_dtype``
+on the mixed group; state dicts keep each key's dtype, load back and deep-copy;
+the wrapper API (where PyTorch's FSDP1 refuses what shardwise accepts)."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardwise.testing import assert_models_match, multi_rank, replicate_grads
+
+BF16 = torch.bfloat16
+STEPS = 3
+D_IN, DIM, HIDDEN, D_OUT, RANK = 6, 10, 14, 5, 3  # rows that 2 and 4 ranks split unevenly
+EXACT = dict(rtol=0, atol=0)
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + x A^T B^T``: the base Linear is made bf16 and frozen by
+    :func:`_lora_net`; the adapters A (rank x in) and B (out x rank) stay
+    float32 and trainable. Computes the base in its own dtype, the sum in the
+    input's."""
+
+    def __init__(self, d_in, d_out, rank=RANK):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.lora_a = nn.Parameter(torch.randn(rank, d_in) / d_in**0.5)
+        # Not zero (as LoRA starts), so that A has gradients from the first step.
+        self.lora_b = nn.Parameter(torch.randn(d_out, rank) * 0.1)
+
+    def forward(self, x):
+        base = self.base(x.to(self.base.weight.dtype)).to(x.dtype)
+        return base + (x @ self.lora_a.to(x.dtype).t()) @ self.lora_b.to(x.dtype).t()
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = LoRALinear(DIM, HIDDEN)
+        self.down = LoRALinear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class LoRANet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = LoRALinear(D_IN, DIM)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = LoRALinear(DIM, D_OUT)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+def _lora_net(trainable_base=False):
+    """The model with every base Linear in bf16, frozen unless ``trainable_base``."""
+    torch.manual_seed(0)
+    net = LoRANet()
+    for m in net.modules():
+        if isinstance(m, LoRALinear):
+            m.base.to(BF16).requires_grad_(trainable_base)
+    return net
+
+
+def _x(step):
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randn(4, D_IN, generator=g)
+
+
+def _shard(model, fully_shard, **kw):
+    for blk in model.blocks:
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _fully_shards():
+    from torch.distributed.fsdp import fully_shard as pt_fully_shard
+
+    from shardwise import fully_shard as sw_fully_shard
+
+    return sw_fully_shard, pt_fully_shard
+
+
+def _mp(**kw):
+    """The same MixedPrecisionPolicy for (shardwise, PyTorch)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as PT
+
+    from shardwise import MixedPrecisionPolicy as SW
+
+    return SW(**kw), PT(**kw)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _state(model, grads=False):
+    """Every parameter (or gradient) as a full tensor, by name (a collective)."""
+    with torch.no_grad():
+        if grads:
+            return {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(a, b, what, **tol):
+    assert a.keys() == b.keys(), (what, sorted(a), sorted(b))
+    for k in a:
+        assert a[k].dtype == b[k].dtype, (what, k, a[k].dtype, b[k].dtype)
+        torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{what} {k}: {m}", **tol)
+
+
+class _Collectives(TorchDispatchMode):
+    """Records every c10d collective as (op, dtype of its first tensor, group size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            lists = [a[0] for a in args if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)]
+            groups = [_unbox(a) for a in args if type(a).__name__ == "ScriptObject"]
+            groups = [g for g in groups if g is not None]
+            first = (tensors or lists or [None])[0]
+            self.log.append((func.__name__.split(".")[0], first.dtype if first is not None else None,
+                             groups[0].size() if groups else None))
+        return func(*args, **(kwargs or {}))
+
+
+def _unbox(obj):
+    """The ProcessGroup a c10d op received, or None (a ReduceOp, ...)."""
+    try:
+        return dist.ProcessGroup.unbox(obj)
+    except RuntimeError:
+        return None
+
+
+def _train_three(sw, pt, ref, mp=False):
+    """STEPS AdamW steps on the sharded models and ``ref`` (unsharded, or None),
+    comparing outputs, gradients and parameters after every step (with
+    PyTorch's bit for bit, with the reference up to float32 rounding); returns the
+    collectives shardwise and PyTorch issued per step. Every collective of a
+    step is issued before anything is asserted (no rank left waiting)."""
+    opts = [torch.optim.AdamW(_trainable(m), lr=1e-2) for m in (sw, pt)]
+    if ref is not None:
+        opts.append(torch.optim.AdamW(_trainable(ref), lr=1e-2))
+    frozen = {n: p.detach().clone() for n, p in sw.named_parameters() if not p.requires_grad}
+    frozen = {n: _full(v) for n, v in frozen.items()}
+    comms = {"shardwise": [], "torch": []}
+    for step in range(STEPS):
+        x = _x(step)
+        outs = {}
+        for name, m in (("shardwise", sw), ("torch", pt)):
+            with _Collectives() as rec:
+                out = m(x)
+                out.float().sum().backward()
+            comms[name].append(Counter(rec.log))
+            outs[name] = out.detach()
+        if ref is not None:
+            out_ref = ref(x)
+            out_ref.float().sum().backward()
+            replicate_grads(ref)
+            assert_models_match(sw, ref, msg=f"step {step} grads vs unsharded")
+            # Same full weights, same input: equal up to float32 rounding (the
+            # weights already carry the rounding of differently ordered sums).
+            torch.testing.assert_close(outs["shardwise"], out_ref.detach(), msg=f"step {step} output vs unsharded")
+        g_sw, g_pt = _state(sw, grads=True), _state(pt, grads=True)
+        assert outs["shardwise"].dtype == outs["torch"].dtype == (BF16 if mp else torch.float32)
+        torch.testing.assert_close(outs["shardwise"], outs["torch"], **EXACT)
+        # Only the adapters have gradients, in float32 (also under param_dtype).
+        assert set(g_sw) == {n for n, p in sw.named_parameters() if p.requires_grad}
+        assert {g.dtype for g in g_sw.values()} == {torch.float32}
+        _assert_same(g_sw, g_pt, f"step {step} grads vs torch", **EXACT)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        if ref is not None:
+            assert_models_match(sw, ref, check_grads=False, msg=f"step {step} params vs unsharded")
+        _assert_same(_state(sw), _state(pt), f"step {step} params vs torch", **EXACT)
+    # The frozen bf16 base is untouched and kept its dtype.
+    params = _state(sw)
+    assert frozen and {v.dtype for v in frozen.values()} == {BF16}
+    for n, v in frozen.items():
+        torch.testing.assert_close(params[n], v, **EXACT)
+    return comms
+
+
+@multi_rank(world_sizes=(2, 4))
+def test_frozen_bf16_base_with_fp32_adapters_trains_like_pytorch(world_size):
+    """Frozen bf16 base + fp32 adapters, no param_dtype: PyTorch's fully_shard
+    accepts the mixed groups, and shardwise gives the same outputs, gradients
+    and parameters after each of 3 AdamW steps (bit for bit; the unsharded
+    copy's up to float32 rounding);
+    each group unshard is one all-gather (of bytes, the dtypes packed together)
+    and each group reduces its fp32 adapter gradients in one reduce-scatter,
+    exactly PyTorch's collectives."""
+    sw_fs, pt_fs = _fully_shards()
+    ref = _lora_net()
+    sw, pt = _shard(copy.deepcopy(ref), sw_fs), _shard(copy.deepcopy(ref), pt_fs)
+    dtypes = {n: (p.dtype, p.requires_grad) for n, p in ref.named_parameters()}
+    assert {d for d, _ in dtypes.values()} == {BF16, torch.float32}
+    for m in (sw, pt):
+        assert {n: (p.dtype, p.requires_grad) for n, p in m.named_parameters()} == dtypes
+        assert all(isinstance(p, DTensor) for p in m.parameters())
+    # Uneven shards, at 4 ranks an empty one: this rank holds torch.chunk's piece.
+    for (n, p), q in zip(sw.named_parameters(), ref.parameters()):
+        chunks = torch.chunk(q.detach(), world_size)
+        mine = chunks[dist.get_rank()] if dist.get_rank() < len(chunks) else q.new_empty(0, *q.shape[1:])
+        torch.testing.assert_close(p.to_local(), mine, **EXACT, msg=n)
+
+    comms = _train_three(sw, pt, ref)
+    assert comms["shardwise"] == comms["torch"], comms
+    groups = 1 + len(sw.blocks)
+    for step, counts in enumerate(comms["shardwise"]):
+        gathers = {k: v for k, v in counts.items() if k[0] == "_allgather_base_"}
+        scatters = {k: v for k, v in counts.items() if k[0] == "_reduce_scatter_base_"}
+        # Root once (it keeps its parameters), each block in forward and backward:
+        # one byte collective per group unshard, never one per dtype.
+        assert gathers == {("_allgather_base_", torch.uint8, world_size): groups + len(sw.blocks)}, counts
+        assert scatters == {("_reduce_scatter_base_", torch.float32, world_size): groups}, counts
+        assert sum(counts.values()) == sum(gathers.values()) + sum(scatters.values()), counts
+
+
+def _unfreeze_base(model):
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.base.requires_grad_(True)
+
+
+@multi_rank(world_sizes=(2,))
+def test_two_trainable_dtypes_without_param_dtype_are_refused():
+    """Trainable parameters in two dtypes and no param_dtype: PyTorch refuses
+    at the first forward (AssertionError "FSDP expects uniform original
+    parameter dtype"); shardwise refuses already at fully_shard, with an error
+    that is that AssertionError and a ValueError, naming the dtypes and the
+    ways out. A base unfrozen after fully_shard is refused at the first
+    forward, as PyTorch does, never trained with one group's gradients
+    reduced in another parameter's dtype."""
+    sw_fs, pt_fs = _fully_shards()
+    msg = "uniform original parameter dtype"
+
+    model = _lora_net(trainable_base=True)
+    with pytest.raises(ValueError, match=msg) as info:
+        sw_fs(model.inp)
+    assert isinstance(info.value, AssertionError)  # what PyTorch raises
+    assert "bfloat16" in str(info.value) and "float32" in str(info.value), info.value
+    assert "param_dtype" in str(info.value), info.value
+    assert type(model.inp.lora_a) is nn.Parameter  # left untouched
+    model.inp.base.requires_grad_(False)
+    sw_fs(model.inp)  # frozen base: accepted
+    assert isinstance(model.inp.lora_a, DTensor)
+
+    torch_model = _shard(_lora_net(trainable_base=True), pt_fs)  # PyTorch checks lazily
+    with pytest.raises(AssertionError, match=msg):
+        torch_model(_x(0))
+
+    for name, fs in (("torch", pt_fs), ("shardwise", sw_fs)):
+        model = _shard(_lora_net(), fs)  # accepted frozen ...
+        _unfreeze_base(model)  # ... then unfrozen before the first forward
+        with pytest.raises(AssertionError, match=msg) as info:
+            model(_x(0))
+        if name == "shardwise":
+            assert isinstance(info.value, ValueError)
+            assert "bfloat16" in str(info.value) and "float32" in str(info.value), info.value
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
+@multi_rank(world_sizes=(2,))
+def test_mixed_group_under_param_dtype_matches_pytorch(reduce_dtype):
+    """MixedPrecisionPolicy(param_dtype=bf16) on the mixed groups (frozen bf16
+    base, fp32 adapters): the same bf16 outputs, the same fp32 adapter
+    gradients, parameters and collectives as PyTorch's fully_shard."""
+    sw_fs, pt_fs = _fully_shards()
+    base = _lora_net()
+    sw_mp, pt_mp = _mp(param_dtype=BF16, reduce_dtype=reduce_dtype)
+    sw, pt = _shard(copy.deepcopy(base), sw_fs, mp_policy=sw_mp), _shard(copy.deepcopy(base), pt_fs, mp_policy=pt_mp)
+    comms = _train_three(sw, pt, None, mp=True)
+    assert comms["shardwise"] == comms["torch"], comms
+    for counts in comms["shardwise"]:
+        # Everything gathers in bf16 now: one dtype, nothing to pack.
+        assert {k[1] for k in counts if k[0] == "_allgather_base_"} == {BF16}, counts
+        assert {k[1] for k in counts if k[0] == "_reduce_scatter_base_"} == {reduce_dtype or BF16}, counts
+    for n, p in sw.named_parameters():  # sharded parameters keep their original dtypes
+        assert p.dtype == (BF16 if ".base." in n else torch.float32), (n, p.dtype)
+
+
+@multi_rank(world_sizes=(2,))
+def test_two_trainable_dtypes_under_param_dtype_train_where_pytorch_refuses():
+    """A trainable bf16 base beside fp32 adapters under param_dtype=bf16:
+    PyTorch 2.13 refuses it (it checks the original dtypes whatever the
+    policy); shardwise casts every shard to bf16 for the gather and trains
+    like an unsharded reference in the same precision, each parameter's
+    gradient and update in its own dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as PTPolicy
+
+    from shardwise import MixedPrecisionPolicy
+    from shardwise.testing.training import parity_train
+
+    sw_fs, pt_fs = _fully_shards()
+    torch_model = _shard(_lora_net(trainable_base=True), pt_fs, mp_policy=PTPolicy(param_dtype=BF16))
+    with pytest.raises(AssertionError, match="uniform original parameter dtype"):
+        torch_model(_x(0))
+
+    mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    models = []
+
+    def shard(model):
+        models.append(_shard(model, sw_fs, mp_policy=mp))
+
+    def bf16_batch(step, rank):  # the reference then computes exactly in bf16, as the sharded model
+        x, y = _batch(step, rank)
+        return x.to(BF16), y
+
+    parity_train(
+        lambda: _lora_net(trainable_base=True), shard, bf16_batch, _loss, steps=STEPS,
+        param_dtype=BF16, reduce_dtype=torch.float32,
+    )
+    (model,) = models
+    assert {n: p.dtype for n, p in model.named_parameters()} == {
+        n: p.dtype for n, p in _lora_net().named_parameters()
+    }
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, D_IN, generator=g), torch.randn(4, D_OUT, generator=g)
+
+
+def _loss(out, y):
+    return F.mse_loss(out.float(), y)
+
+
+@multi_rank(world_sizes=(2, 4))
+def test_state_dict_of_the_mixed_model(world_size):
+    """state_dict(): every key in its own dtype (bf16 base, fp32 adapters),
+    the same keys, dtypes and values as PyTorch's; copy.deepcopy of it works
+    (and is independent of the model); loading it into a freshly sharded
+    model gives the same parameters and the same next training step."""
+    sw_fs, pt_fs = _fully_shards()
+    base = _lora_net()
+    sw, pt = _shard(copy.deepcopy(base), sw_fs), _shard(copy.deepcopy(base), pt_fs)
+    _train_three(sw, pt, None)  # after training: adapters moved, base untouched
+    sd, pt_sd = sw.state_dict(), pt.state_dict()
+    dtypes = {k: v.dtype for k, v in sd.items()}
+    assert dtypes == {k: v.dtype for k, v in pt_sd.items()}
+    assert dtypes == {n: p.dtype for n, p in base.named_parameters()}
+    assert {dtypes[k] for k in sd if ".base." in k} == {BF16}
+    assert {dtypes[k] for k in sd if ".lora_" in k} == {torch.float32}
+    assert all(isinstance(v, DTensor) for v in sd.values())
+    full = {k: _full(v) for k, v in sd.items()}
+    _assert_same(full, {k: _full(v) for k, v in pt_sd.items()}, "state dict vs torch", **EXACT)
+
+    copied = copy.deepcopy(sd)
+    assert {k: v.dtype for k, v in copied.items()} == dtypes
+    _assert_same({k: _full(v) for k, v in copied.items()}, full, "deep copy", **EXACT)
+    with torch.no_grad():
+        for v in copied.values():
+            v.to_local().zero_()  # the copy owns its storage: the model is unchanged
+    _assert_same(_state(sw), full, "model after zeroing the copy", **EXACT)
+
+    # Round trip: a fresh model (other values) sharded the same way loads it.
+    fresh = _lora_net()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1)
+    fresh = _shard(fresh, sw_fs)
+    result = fresh.load_state_dict(copy.deepcopy(sd))
+    assert not result.missing_keys and not result.unexpected_keys
+    assert {n: p.dtype for n, p in fresh.named_parameters()} == dtypes
+    assert all(isinstance(p, DTensor) for p in fresh.parameters())
+    _assert_same(_state(fresh), full, "loaded", **EXACT)
+    # ... and trains on exactly like the model it came from.
+    opts = [torch.optim.AdamW(_trainable(m), lr=1e-2) for m in (sw, fresh)]
+    for m, opt in zip((sw, fresh), opts):
+        m(_x(7)).sum().backward()
+        opt.step()
+    _assert_same(_state(fresh), _state(sw), "a step after loading", **EXACT)
+
+
+@multi_rank(world_sizes=(2,))
+def test_wrapper_api_accepts_what_pytorch_fsdp1_refuses():
+    """PyTorch's FullyShardedDataParallel flattens each wrapper's parameters into
+    one FlatParameter, so it refuses the mixed module: "Must flatten tensors
+    with uniform dtype" (use_orig_params=True) or, before that, parameters
+    with and without requires_grad in one wrapper (use_orig_params=False).
+    shardwise's wrapper is the fully_shard engine underneath, so it accepts it
+    (a superset: what PyTorch accepts, shardwise does too) and trains like the
+    unsharded copy under every strategy; two trainable dtypes are refused by
+    both with ValueError."""
+    import torch.distributed.fsdp as tfsdp
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as PTWrapPolicy
+
+    import shardwise
+    from shardwise.testing.training import parity_train
+    from shardwise.wrap import ModuleWrapPolicy
+
+    for use_orig_params in (False, True):
+        refusal = "uniform dtype" if use_orig_params else "uniform dtype|requires_grad=True and False"
+        with pytest.raises(ValueError, match=refusal):
+            tfsdp.FullyShardedDataParallel(
+                _lora_net(), use_orig_params=use_orig_params, device_id=torch.device("cpu"),
+                auto_wrap_policy=PTWrapPolicy({Block}),
+            )
+        with pytest.raises(ValueError, match="uniform dtype"):
+            tfsdp.FullyShardedDataParallel(
+                _lora_net(trainable_base=True), use_orig_params=use_orig_params,
+                device_id=torch.device("cpu"), auto_wrap_policy=PTWrapPolicy({Block}),
+            )
+        with pytest.raises(ValueError, match="uniform original parameter dtype"):
+            shardwise.FullyShardedDataParallel(
+                _lora_net(trainable_base=True), use_orig_params=use_orig_params,
+                auto_wrap_policy=ModuleWrapPolicy({Block}),
+            )
+
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        wrapped = []
+
+        def wrap(model, strategy=strategy, wrapped=wrapped):
+            w = shardwise.FullyShardedDataParallel(
+                model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                sharding_strategy=getattr(shardwise.ShardingStrategy, strategy),
+            )
+            wrapped.append(w)
+            return w
+
+        parity_train(_lora_net, wrap, _batch, _loss, steps=STEPS)
+        (w,) = wrapped
+        assert len(shardwise.FullyShardedDataParallel.fsdp_modules(w)) == 1 + len(w.module.blocks)
+        dtypes = {n: p.dtype for n, p in _lora_net().named_parameters()}
+        assert {n: p.dtype for n, p in w.named_parameters()} == dtypes
+        assert all(p.grad is None for n, p in w.named_parameters() if ".base." in n)
+        with shardwise.FullyShardedDataParallel.state_dict_type(w, shardwise.StateDictType.FULL_STATE_DICT):
+            sd = w.state_dict()
+        assert {k: v.dtype for k, v in sd.items()} == dtypes
