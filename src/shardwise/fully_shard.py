@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise._engine.module_state import ModuleState, state_of, states_under
-from shardwise._engine.param_group import ParamGroup, check_trainable_dtypes
+from shardwise._engine.param_group import ParamGroup
 from shardwise._engine.sharded_param import ShardedParam
 from shardwise.comm import AllGather, ReduceScatter
 from shardwise.errors import (
@@ -470,8 +470,8 @@ def fully_shard(
     ignored = _check_ignored(ignored_params, modules)
     conflicts: list[str] = []
     collected = _collect_params(modules, ignored, conflicts, None if info.spmd_mesh is not None else info.mesh)
-    # Checked again at the first forward (requires_grad may change until then).
-    check_trainable_dtypes([(p.dtype, fqn) for p, _, fqn in collected if p.requires_grad], mp_policy)
+    # Trainable dtypes are checked at the first forward, as PyTorch does
+    # (requires_grad may still change until then).
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     storage_device = torch.device("cpu") if offload else info.device
     params = _make_sharded_params(collected, info, shard_placement_fn, storage_device)

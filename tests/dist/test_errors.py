@@ -154,9 +154,11 @@ def test_mixed_parameter_dtypes_in_one_group():
     from shardwise import MixedPrecisionPolicy, fully_shard
 
     m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
-    _raises(ValueError, r"uniform original parameter dtype.*float32.*float64.*param_dtype", fully_shard, m)
-    assert type(m[0].weight) is nn.Parameter  # untouched
+    fully_shard(m)  # as PyTorch: accepted here, refused at the first forward
+    _raises(ValueError, r"uniform original parameter dtype.*float32.*float64.*param_dtype", m, torch.randn(2, 4))
+    _raises(AssertionError, "uniform original parameter dtype", m, torch.randn(2, 4))  # PyTorch's type too
     # with a param_dtype every shard is cast to it before the gather: allowed
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
     fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
     m(torch.randn(2, 4)).sum().backward()
     assert m[1].weight.dtype == torch.float64 and m[1].weight.grad.dtype == torch.float64

@@ -257,26 +257,29 @@ def _unfreeze_base(model):
 
 @multi_rank(world_sizes=(2,))
 def test_two_trainable_dtypes_without_param_dtype_are_refused():
-    """Trainable parameters in two dtypes and no param_dtype: PyTorch refuses
-    at the first forward (AssertionError "FSDP expects uniform original
-    parameter dtype"); shardwise refuses already at fully_shard, with an error
-    that is that AssertionError and a ValueError, naming the dtypes and the
-    ways out. A base unfrozen after fully_shard is refused at the first
-    forward, as PyTorch does, never trained with one group's gradients
-    reduced in another parameter's dtype."""
+    """Trainable parameters in two dtypes and no param_dtype: refused at the
+    first forward, as PyTorch refuses (AssertionError "FSDP expects uniform
+    original parameter dtype"; ours is that AssertionError and a ValueError,
+    naming the dtypes and the ways out), fully_shard itself accepting, as
+    PyTorch's does: a base frozen after fully_shard and before the first
+    forward trains; one unfrozen then is refused, never trained with one
+    group's gradients reduced in another parameter's dtype."""
     sw_fs, pt_fs = _fully_shards()
     msg = "uniform original parameter dtype"
 
-    model = _lora_net(trainable_base=True)
+    model = _shard(_lora_net(trainable_base=True), sw_fs)
     with pytest.raises(ValueError, match=msg) as info:
-        sw_fs(model.inp)
+        model(_x(0))
     assert isinstance(info.value, AssertionError)  # what PyTorch raises
     assert "bfloat16" in str(info.value) and "float32" in str(info.value), info.value
     assert "param_dtype" in str(info.value), info.value
-    assert type(model.inp.lora_a) is nn.Parameter  # left untouched
-    model.inp.base.requires_grad_(False)
-    sw_fs(model.inp)  # frozen base: accepted
-    assert isinstance(model.inp.lora_a, DTensor)
+    for name, fs in (("torch", pt_fs), ("shardwise", sw_fs)):
+        model = _shard(_lora_net(trainable_base=True), fs)
+        for p in model.parameters():  # frozen down to one trainable dtype before the first forward
+            if p.dtype == BF16:
+                p.requires_grad_(False)
+        model(_x(0)).sum().backward()  # trains
+        assert all((p.grad is not None) == p.requires_grad for p in model.parameters()), name
 
     torch_model = _shard(_lora_net(trainable_base=True), pt_fs)  # PyTorch checks lazily
     with pytest.raises(AssertionError, match=msg):

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise._engine.module_state import state_of, states_under
-from shardwise._engine.param_group import ParamGroup, TrainingState
+from shardwise._engine.param_group import ParamGroup, TrainingState, check_trainable_dtypes
 from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
 from shardwise.fully_shard import fully_shard
 from shardwise.fully_shard import summon_full_params as engine_summon
@@ -245,6 +245,15 @@ class FullyShardedDataParallel(nn.Module):
 
         offload = cpu_offload is not None and cpu_offload.offload_params
         user_class = type(module)
+        # As PyTorch's wrapper (at construction, unlike fully_shard's first
+        # forward): this unit's own trainable parameters share one dtype.
+        check_trainable_dtypes(
+            [
+                (p.dtype, n) for n, p in module.named_parameters()
+                if p.requires_grad and not isinstance(p, DTensor) and p not in ignored.params
+            ],
+            to_mp_policy(mixed_precision),
+        )
         fully_shard(
             module,
             mesh=plan.mesh,
