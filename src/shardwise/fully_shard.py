@@ -607,8 +607,12 @@ def _collect_params(
                 continue
             if isinstance(p, DTensor) and _on_data_parallel_mesh(p, dp_mesh):
                 raise ConfigError(
-                    f"parameter {fqn!r} is already a DTensor (already sharded): apply fully_shard "
-                    "bottom-up (inner modules first, then their parents), once per module."
+                    f"parameter {fqn!r} is already a DTensor on {p.device_mesh} "
+                    f"{tuple(p.placements)}, which shares mesh dims with fully_shard's mesh "
+                    f"{dp_mesh}. If it is already sharded: apply fully_shard bottom-up (inner "
+                    "modules first, then their parents), once per module. If it is tensor "
+                    "parallel: pass fully_shard only the data-parallel dims of the same mesh "
+                    "(TP on mesh['tp'] -> mesh=mesh['dp']), or the whole mesh with dp_mesh_dims."
                 )
             owner = _OWNED.get(p)  # type: ignore[no-untyped-call]
             if owner is not None:

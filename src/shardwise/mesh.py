@@ -146,6 +146,13 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: object) -> MeshInfo:
     for name in (*shard, *replicate):
         if name not in names:
             raise ConfigError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
+    both = sorted(set(shard) & set(replicate))
+    if both:
+        raise ConfigError(
+            f"dp_mesh_dims names {both} as both a shard and a replicate dim; FSDP shards over one "
+            "mesh dim and replicates over another: name different dims, e.g. "
+            "DataParallelMeshDims(shard='dp_shard', replicate='dp_replicate')."
+        )
     if len(shard) != 1 or len(replicate) > 1:
         raise UnsupportedError(
             f"dp_mesh_dims with shard={shard} and replicate={replicate}: shardwise shards over "
