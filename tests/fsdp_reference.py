@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 TORCH_VERSION: tuple[int, int] = tuple(  # type: ignore[assignment]
@@ -120,3 +121,49 @@ def _train_compare(a, b, steps=2):
         assert _param_types(a) == _param_types(b)
         for m in (a, b):
             m.zero_grad()
+
+
+def shard_blocks(model: nn.Module, lib: str = "shardwise", precision: str = "fp32") -> nn.Module:
+    """Every block of ``model.blocks``, then the root, sharded by ``lib``'s
+    ``fully_shard`` ("shardwise" or "torch"); ``precision="bf16"``: bf16
+    parameters, fp32 gradient reduction."""
+    if lib == "shardwise":
+        from shardwise import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy()
+    if precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Records every c10d collective issued inside it as (op, dtype of its
+    first tensor, size of its process group) in ``log``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, torch.dtype | None, int | None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.namespace == "c10d":
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            lists = [a[0] for a in args if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)]
+            groups = [g for g in map(_process_group, args) if g is not None]
+            first = (tensors or lists or [None])[0]
+            self.log.append((func.__name__.split(".")[0], first.dtype if first is not None else None,
+                             groups[0].size() if groups else None))
+        return func(*args, **(kwargs or {}))
+
+
+def _process_group(obj: object) -> dist.ProcessGroup | None:
+    """The ProcessGroup a c10d op received as ``obj``, or None (a tensor, a ReduceOp, ...)."""
+    if type(obj).__name__ != "ScriptObject":
+        return None
+    try:
+        return dist.ProcessGroup.unbox(obj)  # type: ignore[attr-defined,no-any-return]
+    except RuntimeError:
+        return None

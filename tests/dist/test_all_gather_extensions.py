@@ -275,6 +275,15 @@ def _compare(model, ref, outs, ref_outs, exact=False):
         close(_full(p.detach()), _full(ref_params[n].detach()), f"param {n}")
 
 
+def _train_like_reference(model, ref, steps, dim):
+    """Train ``model`` and ``ref`` ``steps`` steps (hook records cleared first)
+    and compare outputs, gradients and parameters."""
+    _POST_CALLS.clear()
+    _PRE_DTYPES.clear()
+    outs = _train(model, steps, dim)
+    _compare(model, ref, outs, _train(ref, steps, dim, ref=True))
+
+
 class _RecordingAllGather:
     """A shardwise AllGather that records what each call sends."""
 
@@ -313,12 +322,8 @@ def test_bf16_gather_trains_like_a_bf16_rounded_reference(world_size):
     for name, m in (("block0", model.blocks[0]), ("block1", model.blocks[1]), ("root", model)):
         comms[name] = _RecordingAllGather()
         m.set_custom_all_gather(comms[name])
-    _POST_CALLS.clear()
-    _PRE_DTYPES.clear()
     steps = 4
-    outs = _train(model, steps, sizes[0])
-    ref_outs = _train(ref, steps, sizes[0], ref=True)
-    _compare(model, ref, outs, ref_outs)
+    _train_like_reference(model, ref, steps, sizes[0])
 
     # What went over the wire: bf16 for the subclass weights (2 bytes each).
     assert set(_PRE_DTYPES) == {(torch.bfloat16,)}
@@ -362,12 +367,8 @@ def test_int8_with_row_scales_trains_like_a_quantised_reference(world_size):
     _shard(model, fully_shard)
     comm = _RecordingAllGather()
     model.blocks[1].set_custom_all_gather(comm)
-    _POST_CALLS.clear()
-    _PRE_DTYPES.clear()
     steps = 3
-    outs = _train(model, steps, sizes[0])
-    ref_outs = _train(ref, steps, sizes[0], ref=True)
-    _compare(model, ref, outs, ref_outs)
+    _train_like_reference(model, ref, steps, sizes[0])
     assert set(_PRE_DTYPES) == {(torch.int8, torch.float32)}
     # Block 1's weight (6 x 10): int8 rows + one float32 scale per row, packed as bytes.
     rows = -(-6 // world_size)

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_reference import shard_blocks
 
 from shardwise.testing import multi_rank
 
@@ -34,17 +35,7 @@ def _base(cfg):
 
 
 def _shard(model, impl, precision):
-    if impl == "ours":
-        from shardwise import MixedPrecisionPolicy, fully_shard
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy()
-    if precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
+    return shard_blocks(model, "shardwise" if impl == "ours" else "torch", precision)
 
 
 def _pair(precision="fp32", tie=True, train=True):

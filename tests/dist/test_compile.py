@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from fsdp_reference import shard_blocks
 
 from shardwise.testing import multi_rank
 
@@ -59,17 +60,7 @@ def _make(ac=False):
 
 def _shard(model, lib="shardwise", precision="fp32"):
     """Blocks, then the root, sharded by ``lib``'s ``fully_shard``."""
-    if lib == "shardwise":
-        from shardwise import MixedPrecisionPolicy, fully_shard
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy()
-    if precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
+    return shard_blocks(model, lib, precision)
 
 
 def _build(lib="shardwise", *, precision="fp32", ac=False):

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from fsdp_reference import CollectiveLog
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.testing import assert_models_match, multi_rank, replicate_grads
 
@@ -136,33 +136,6 @@ def _assert_same(a, b, what, **tol):
         torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{what} {k}: {m}", **tol)
 
 
-class _Collectives(TorchDispatchMode):
-    """Records every c10d collective as (op, dtype of its first tensor, group size)."""
-
-    def __init__(self):
-        super().__init__()
-        self.log = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            lists = [a[0] for a in args if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)]
-            groups = [_unbox(a) for a in args if type(a).__name__ == "ScriptObject"]
-            groups = [g for g in groups if g is not None]
-            first = (tensors or lists or [None])[0]
-            self.log.append((func.__name__.split(".")[0], first.dtype if first is not None else None,
-                             groups[0].size() if groups else None))
-        return func(*args, **(kwargs or {}))
-
-
-def _unbox(obj):
-    """The ProcessGroup a c10d op received, or None (a ReduceOp, ...)."""
-    try:
-        return dist.ProcessGroup.unbox(obj)
-    except RuntimeError:
-        return None
-
-
 def _train_three(sw, pt, ref, mp=False):
     """STEPS AdamW steps on the sharded models and ``ref`` (unsharded, or None),
     comparing outputs, gradients and parameters after every step (with
@@ -179,7 +152,7 @@ def _train_three(sw, pt, ref, mp=False):
         x = _x(step)
         outs = {}
         for name, m in (("shardwise", sw), ("torch", pt)):
-            with _Collectives() as rec:
+            with CollectiveLog() as rec:
                 out = m(x)
                 out.float().sum().backward()
             comms[name].append(Counter(rec.log))

@@ -17,38 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fsdp_reference import Block, Net
-from torch.utils._python_dispatch import TorchDispatchMode
+from fsdp_reference import Block, CollectiveLog, Net
 
 from shardwise.testing import multi_rank
 from shardwise.testing.training import parity_train
 
 DIM = 10
 STEPS = 3
-
-
-class _Collectives(TorchDispatchMode):
-    """Records every c10d collective as (op, group size)."""
-
-    def __init__(self):
-        super().__init__()
-        self.log = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            sizes = [g.size() for g in map(_unbox, args) if g is not None]
-            self.log.append((func.__name__.split(".")[0], sizes[0] if sizes else None))
-        return func(*args, **(kwargs or {}))
-
-
-def _unbox(obj):
-    """The ProcessGroup a c10d op received, or None (a tensor, a ReduceOp, ...)."""
-    if type(obj).__name__ != "ScriptObject":
-        return None
-    try:
-        return dist.ProcessGroup.unbox(obj)
-    except RuntimeError:
-        return None
 
 
 def _x(step):
@@ -63,13 +38,13 @@ def _phases(model, steps=2, no_sync=False):
         if no_sync:
             ctx = model.no_sync()
             ctx.__enter__()
-        with _Collectives() as fwd:
+        with CollectiveLog() as fwd:
             out = model(_x(step))
-        with _Collectives() as bwd:
+        with CollectiveLog() as bwd:
             out.sum().backward()
         if no_sync:
             ctx.__exit__(None, None, None)
-        per.append((Counter(fwd.log), Counter(bwd.log)))
+        per.append(tuple(Counter((op, size) for op, _, size in rec.log) for rec in (fwd, bwd)))
         model.zero_grad()
     return per
 
