@@ -13,6 +13,9 @@ CUDA device, in one process (one launch):
 * ``local``             - the model unsharded on the GPU under bf16 autocast
   (fp32 master weights): the no-FSDP yardstick.
 
+``--float8`` converts the FSDP configs' linears (not the head) to torchao's
+float8 training with float8 all-gathers (``enable_fsdp_float8_all_gather``).
+
 ``--compile`` compiles every block in place (``block.compile()``, inductor)
 after wrapping, as torchtitan does; the warm-up steps absorb compilation.
 
@@ -60,7 +63,7 @@ CONFIGS = ("shardwise", "torch_fsdp", "shardwise_offload", "torch_offload", "loc
 MIB = 2**20
 
 
-def build(config: str, cfg: GPTConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer, bool]:
+def build(config: str, cfg: GPTConfig, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer, bool]:
     """The model of ``config`` on the GPU (or its shards on the CPU when
     offloading), its optimizer, and whether it runs under autocast."""
     torch.manual_seed(0)
@@ -79,6 +82,13 @@ def build(config: str, cfg: GPTConfig) -> tuple[torch.nn.Module, torch.optim.Opt
     }
     if not offload:
         model.cuda()
+    if args.float8:  # torchao's float8 training with float8 all-gathers (fsdp_pre/post_all_gather)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+            module_filter_fn=lambda mod, fqn: fqn != "lm_head",
+        )
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
@@ -92,7 +102,7 @@ def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
                     n_heads=args.heads)
     try:
         torch.cuda.empty_cache()
-        model, opt, autocast = build(config, cfg)
+        model, opt, autocast = build(config, cfg, args)
         if args.compile:
             for block in model.blocks:  # as torchtitan: each block compiled in place (inductor)
                 block.compile()
@@ -209,7 +219,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
                     n_heads=args.heads)
     args.trace.mkdir(parents=True, exist_ok=True)
     for config in ("shardwise", "shardwise_offload", "torch_fsdp", "torch_offload"):
-        model, opt, _ = build(config, cfg)
+        model, opt, _ = build(config, cfg, args)
         x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device="cuda")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                      schedule=schedule(wait=1, warmup=1, active=1)) as prof:
@@ -241,6 +251,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="compile every block (module.compile(), inductor)")
+    p.add_argument("--float8", action="store_true",
+                   help="FSDP configs: torchao float8 linears with float8 all-gathers (needs torchao)")
     p.add_argument("--json", type=Path)
     p.add_argument("--trace", type=Path, help="also write profiler traces here and analyze overlap")
     args = p.parse_args()
