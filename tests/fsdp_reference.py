@@ -1,5 +1,5 @@
 """Shared by the tests that run one scenario under shardwise and under
-PyTorch's own FSDP2 and compare (tests/dist/test_review_findings*.py): a small
+PyTorch's own FSDP2 and compare (tests/dist/test_like_pytorch_*.py): a small
 model and the two ``fully_shard`` functions. Importable by the test ranks
 because tests/conftest.py puts this folder on ``sys.path``."""
 

@@ -1,7 +1,9 @@
-"""Behavioural differences between shardwise.fully_shard and PyTorch's
-torch.distributed.fsdp.fully_shard (FSDP2), found in review. Each test runs the
-same scenario under both and compares, or checks PyTorch's documented
-behaviour directly."""
+"""shardwise.fully_shard behaves as PyTorch's torch.distributed.fsdp.fully_shard
+(FSDP2) through the training loop: lazy init and roots, accumulation, mixed
+precision, HSDP, activation checkpointing, offload, recovery, dtype changes.
+Each test runs the same scenario under both and compares, or checks PyTorch's
+documented behaviour directly (API surface, meshes and state dicts:
+test_like_pytorch_api.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from fsdp_reference import (  # noqa: E402  (shared with the other review file)
+from fsdp_reference import (  # noqa: E402  (shared with test_like_pytorch_api.py)
     Net,
     _assert_grads_equal,
     _mp,

@@ -1,6 +1,7 @@
-"""Second review: behavioural differences between shardwise.fully_shard and
-PyTorch's torch.distributed.fsdp.fully_shard (FSDP2) in areas the first review
-(test_review_findings.py) did not cover. Each test runs the same scenario
+"""shardwise.fully_shard behaves as PyTorch's torch.distributed.fsdp.fully_shard
+(FSDP2) in its API surface: signatures and flags, parameter metadata, meshes,
+state dicts and DCP, initialisation, prefetch, collective counts (the training
+loop: test_like_pytorch_training.py). Each test runs the same scenario
 under both and compares, unless noted."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from fsdp_reference import (  # noqa: E402  (shared with the other review file)
+from fsdp_reference import (  # noqa: E402  (shared with test_like_pytorch_training.py)
     TORCH_VERSION,
     Block,
     Net,

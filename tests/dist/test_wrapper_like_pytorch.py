@@ -1,4 +1,5 @@
-"""Review: wrapper API vs PyTorch's FSDP1 (CPU / gloo)."""
+"""The wrapper API behaves as PyTorch's FullyShardedDataParallel (FSDP1), run
+side by side on CPU / gloo."""
 from __future__ import annotations
 
 import copy
