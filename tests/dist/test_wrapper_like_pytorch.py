@@ -563,3 +563,41 @@ def test_rank0_only_optim_state_dict_loads_with_empty_dict_elsewhere():
         opt.zero_grad()
     for a, b in zip(o.state_dict().values(), o2.state_dict().values()):
         torch.testing.assert_close(a, b)
+
+
+@multi_rank(world_sizes=(2,))
+def test_mixed_precision_casts_tensors_inside_dataclass_inputs():
+    """MixedPrecision(param_dtype=bf16) casts the floating tensors inside a
+    dataclass input (and a namedtuple and a dict beside it) as FSDP1 does: the
+    module sees bf16 and both wrappers compute the same output."""
+    import collections
+    import dataclasses
+
+    from shardwise import MixedPrecision
+
+    @dataclasses.dataclass
+    class Inputs:
+        x: torch.Tensor
+        ids: torch.Tensor
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class Seen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.seen = None
+
+        def forward(self, inputs, pair, extra):
+            self.seen = (inputs.x.dtype, inputs.ids.dtype, pair.a.dtype, extra["s"].dtype)
+            return self.lin(inputs.x + pair.a + extra["s"])
+
+    torch.manual_seed(0)
+    ours, theirs = _both(base=Seen(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    x = torch.randn(3, 8)
+    outs = []
+    for model in (ours, theirs):
+        out = model(Inputs(x.clone(), torch.arange(3)), Pair(x.clone(), 1), {"s": x.clone()})
+        outs.append(out)
+        assert model.module.seen == (torch.bfloat16, torch.int64, torch.bfloat16, torch.bfloat16), model.module.seen
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

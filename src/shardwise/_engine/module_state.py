@@ -13,7 +13,6 @@ root's final callback, queued at the first pre-backward of each backward.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
 import weakref
@@ -25,11 +24,11 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
-from torch.utils._pytree import tree_map
 
 from shardwise.policies import MixedPrecisionPolicy
 
 from .param_group import IterationContext, ParamGroup, TrainingState
+from .trees import cast_floats, map_tensors
 
 
 # module -> its state; weak so that dropping a model frees everything.
@@ -88,23 +87,6 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """Apply ``fn`` to every tensor in ``obj``, looking inside tuples,
-    namedtuples, lists, dicts and dataclasses (as PyTorch's FSDP does)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(fn, x) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(fn, x) for x in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
-    return obj
-
-
 def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
 
@@ -115,15 +97,6 @@ def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
 
     map_tensors(visit, obj)
     return found
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: torch.Tensor) -> torch.Tensor:
-        if x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return map_tensors(cast, tree)
 
 
 class ModuleState:
@@ -241,9 +214,9 @@ class ModuleState:
         self.lazy_init()
         with record_function(f"shardwise::pre_forward ({self.name})"):
             if self.is_root and self.device.type != "cpu":
-                    args, kwargs = tree_map(self._to_device, (args, kwargs))
+                args, kwargs = map_tensors(self._to_device, (args, kwargs))
             if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
-                args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
+                args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
             if self.group is not None:
                 self.group.pre_forward()
                 if torch.is_grad_enabled():
@@ -255,7 +228,7 @@ class ModuleState:
             if self.group is not None:
                 self.group.post_forward()
             if self.mp.output_dtype is not None:
-                output = _cast_floats(output, self.mp.output_dtype)
+                output = cast_floats(output, self.mp.output_dtype)
             if torch.is_grad_enabled():
                 tensors = _tensors_requiring_grad(output)
                 if tensors:
@@ -264,8 +237,8 @@ class ModuleState:
                 self._root_post_forward()
         return output
 
-    def _to_device(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device != self.device:
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device != self.device:
             return x.to(self.device, non_blocking=True)
         return x
 

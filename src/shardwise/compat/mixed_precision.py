@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from shardwise._engine.trees import cast_floats, map_tensors
 from shardwise.policies import MixedPrecisionPolicy
 
 from .config import MixedPrecision
 
-__all__ = ["cast_floats", "mark_full_precision_modules", "to_mp_policy"]
+__all__ = ["mark_full_precision_modules", "to_mp_policy"]
 
 # module -> the floating dtype its last input had, to cast its output back.
 _INPUT_DTYPES: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.WeakKeyDictionary()
@@ -42,25 +42,14 @@ def to_mp_policy(mp: MixedPrecision | None) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, cast_forward_inputs=False)
 
 
-def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor in ``tree`` to ``dtype``."""
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
-
-
 def _to_float32(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.dtype != torch.float32:
             _INPUT_DTYPES[module] = x.dtype
             return x.to(torch.float32)
         return x
 
-    return tree_map(cast, args)  # type: ignore[no-any-return]
+    return map_tensors(cast, args)  # type: ignore[no-any-return]
 
 
 def _back_to_input_dtype(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardwise._engine.module_state import state_of, states_under
 from shardwise._engine.param_group import ParamGroup, TrainingState, check_trainable_dtypes
+from shardwise._engine.trees import cast_floats
 from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
 from shardwise.fully_shard import fully_shard
 from shardwise.fully_shard import summon_full_params as engine_summon
@@ -62,7 +63,7 @@ from .managed import (
     resolve_ignored,
 )
 from .managed import sync_module_states as broadcast_module_states
-from .mixed_precision import cast_floats, mark_full_precision_modules, to_mp_policy
+from .mixed_precision import mark_full_precision_modules, to_mp_policy
 from .state_dict import (
     clean_name,
     get_state_dict_type,
