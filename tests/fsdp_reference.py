@@ -100,6 +100,22 @@ def _assert_grads_equal(a, b):
         torch.testing.assert_close(ga[k], gb[k], msg=k)
 
 
+def _assert_params_equal(a, b):
+    """Same full parameter values, name by name."""
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(_full(pa), _full(pb), msg=n)
+
+
+def _steps_match(a, b, steps):
+    """``steps`` forward/backward steps of both models on the same inputs, the
+    gradients compared after each, then zeroed."""
+    for it in range(steps):
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        for m in (a, b):
+            m.zero_grad()
+
+
 def _param_types(model):
     return {n: "DTensor" if isinstance(p, DTensor) else type(p).__name__ for n, p in model.named_parameters()}
 

@@ -20,11 +20,13 @@ from fsdp_reference import (  # noqa: E402  (shared with test_like_pytorch_train
     Block,
     Net,
     _assert_grads_equal,
+    _assert_params_equal,
     _full,
     _mp,
     _param_types,
     _pt,
     _step_both,
+    _steps_match,
     _sw,
     _train_compare,
     _x,
@@ -50,11 +52,6 @@ def _both(make=Net, root_kw=None, block_kw=None, mp_root=None, mp_block=None):
             fs(blk, **bkw)
         fs(m, **rkw)
     return a, b
-
-
-def _assert_params_equal(a, b):
-    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
-        torch.testing.assert_close(_full(pa), _full(pb), msg=n)
 
 
 _BUILTIN = (AssertionError, NotImplementedError, ValueError, TypeError, RuntimeError, KeyError)
@@ -145,11 +142,7 @@ def test_children_on_a_different_mesh(child_mesh):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     a, b = _both(block_kw=dict(mesh=mesh))
     assert _dt_meta(a) == _dt_meta(b)
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        for m in (a, b):
-            m.zero_grad()
+    _steps_match(a, b, 2)
 
 
 # reshard_after_forward=int with HSDP: validated against the *shard* size.
@@ -169,11 +162,7 @@ def test_reshard_after_forward_int_with_hsdp(shape, raf):
     assert got["torch"] == got["shardwise"], got
     if got["torch"] == "ok":
         a, b = _both(block_kw=dict(mesh=mesh, reshard_after_forward=raf), root_kw=dict(mesh=mesh))
-        for it in range(2):
-            _step_both(a, b, _x(it))
-            _assert_grads_equal(a, b)
-            for m in (a, b):
-                m.zero_grad()
+        _steps_match(a, b, 2)
 
 
 # reduce_dtype only (param_dtype None): compute in fp32, reduce in bf16.
@@ -181,11 +170,7 @@ def test_reshard_after_forward_int_with_hsdp(shape, raf):
 def test_mp_reduce_dtype_only():
     kw = dict(reduce_dtype=torch.bfloat16)
     a, b = _both(mp_root=kw, mp_block=kw)
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        for m in (a, b):
-            m.zero_grad()
+    _steps_match(a, b, 2)
 
 
 # reduce_dtype only, gradient sync off: accumulation dtype.
@@ -238,11 +223,7 @@ def test_root_cast_forward_inputs_false(block_out):
 @multi_rank(world_sizes=(2,))
 def test_nested_output_dtype_feeds_fp32_root():
     a, b = _both(mp_block=dict(param_dtype=torch.bfloat16, output_dtype=torch.float32))
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        for m in (a, b):
-            m.zero_grad()
+    _steps_match(a, b, 2)
 
 
 # Buffers are not cast by mixed precision; a buffer used in forward.
@@ -640,35 +621,6 @@ def test_explicit_prefetch_out_of_order():
     _train_compare(a, b)
 
 
-# CPU offload together with mixed precision.
-@multi_rank(world_sizes=(2,))
-def test_cpu_offload_with_mixed_precision():
-    from torch.distributed.fsdp import CPUOffloadPolicy as PT
-
-    from shardwise import CPUOffloadPolicy as SW
-
-    torch.manual_seed(0)
-    a = Net()
-    b = copy.deepcopy(a)
-    for i, (fs, m, pol) in enumerate(((_sw(), a, SW(pin_memory=False)), (_pt(), b, PT(pin_memory=False)))):
-        mp = _mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)[i]
-        for blk in m.blocks:
-            fs(blk, offload_policy=pol, mp_policy=mp)
-        fs(m, offload_policy=pol, mp_policy=mp)
-    oa = torch.optim.Adam(a.parameters(), lr=0.01)
-    ob = torch.optim.Adam(b.parameters(), lr=0.01)
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        oa.step()
-        ob.step()
-        oa.zero_grad()
-        ob.zero_grad()
-    _assert_params_equal(a, b)
-    assert {n: (p.dtype, str(p.device)) for n, p in a.named_parameters()} == {
-        n: (p.dtype, str(p.device)) for n, p in b.named_parameters()}
-
-
 # Meta-device module: sharded params stay on meta with the right metadata.
 @multi_rank(world_sizes=(2,))
 def test_meta_module_sharded_metadata():
@@ -753,11 +705,7 @@ def test_mesh_from_group():
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     a, b = _both(block_kw=dict(mesh=mesh), root_kw=dict(mesh=mesh))
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        for m in (a, b):
-            m.zero_grad()
+    _steps_match(a, b, 2)
 
 
 # FSDP + tensor parallel (parameters already DTensors on the TP mesh) — the

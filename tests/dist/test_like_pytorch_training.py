@@ -15,10 +15,12 @@ import torch.nn as nn
 from fsdp_reference import (  # noqa: E402  (shared with test_like_pytorch_api.py)
     Net,
     _assert_grads_equal,
+    _assert_params_equal,
     _mp,
     _param_types,
     _pt,
     _step_both,
+    _steps_match,
     _sw,
     _train_compare,
     _x,
@@ -655,11 +657,7 @@ def test_composable_checkpoint_then_fully_shard():
             checkpoint(blk)
             fs(blk)
         fs(m)
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        for m in (a, b):
-            m.zero_grad()
+    _steps_match(a, b, 2)
 
 
 # ignored_params stay plain tensors, get local (unreduced) grads, like PyTorch.
@@ -742,20 +740,23 @@ def test_hsdp_no_sync_accumulation_matches_torch():
     _assert_grads_equal(a, b)
 
 
-# CPU offload against PyTorch's (pin_memory off: no accelerator).
+# CPU offload against PyTorch's (pin_memory off: no accelerator), alone and
+# with mixed precision (bf16 parameters, fp32 reduction).
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
 @multi_rank(world_sizes=(2,))
-def test_cpu_offload_matches_torch():
+def test_cpu_offload_matches_torch(mixed):
     from torch.distributed.fsdp import CPUOffloadPolicy as PT
 
     from shardwise import CPUOffloadPolicy as SW
 
+    mps = _mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else _mp()
     torch.manual_seed(0)
     a = Net()
     b = copy.deepcopy(a)
-    for fs, m, pol in ((_sw(), a, SW(pin_memory=False)), (_pt(), b, PT(pin_memory=False))):
+    for fs, m, pol, mp in ((_sw(), a, SW(pin_memory=False), mps[0]), (_pt(), b, PT(pin_memory=False), mps[1])):
         for blk in m.blocks:
-            fs(blk, offload_policy=pol)
-        fs(m, offload_policy=pol)
+            fs(blk, offload_policy=pol, mp_policy=mp)
+        fs(m, offload_policy=pol, mp_policy=mp)
     oa = torch.optim.Adam(a.parameters(), lr=0.01)
     ob = torch.optim.Adam(b.parameters(), lr=0.01)
     for it in range(2):
@@ -766,6 +767,9 @@ def test_cpu_offload_matches_torch():
         ob.step()
         oa.zero_grad()
         ob.zero_grad()
+    _assert_params_equal(a, b)
+    assert {n: (p.dtype, str(p.device)) for n, p in a.named_parameters()} == {
+        n: (p.dtype, str(p.device)) for n, p in b.named_parameters()}
 
 
 # Outputs in containers (dict / tuple with a non-float tensor) and a forward
