@@ -106,14 +106,18 @@ def _assert_params_equal(a, b):
         torch.testing.assert_close(_full(pa), _full(pb), msg=n)
 
 
-def _steps_match(a, b, steps):
+def _steps_match(a, b, steps, same=None, zero_grad=True):
     """``steps`` forward/backward steps of both models on the same inputs, the
-    gradients compared after each, then zeroed."""
+    gradients compared after each (and ``same(a) == same(b)`` when given),
+    then zeroed unless ``zero_grad`` is False (gradients accumulate)."""
     for it in range(steps):
         _step_both(a, b, _x(it))
         _assert_grads_equal(a, b)
-        for m in (a, b):
-            m.zero_grad()
+        if same is not None:
+            assert same(a) == same(b), (same.__name__, it)
+        if zero_grad:
+            for m in (a, b):
+                m.zero_grad()
 
 
 def _param_types(model):

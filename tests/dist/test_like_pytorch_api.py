@@ -261,9 +261,7 @@ class BufNet(Net):
 def test_buffers_not_cast_under_mixed_precision():
     kw = dict(param_dtype=torch.bfloat16)
     a, b = _both(ScaleNet, mp_root=kw, mp_block=kw)
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
+    _steps_match(a, b, 2, zero_grad=False)
     assert a.seen == b.seen, (a.seen, b.seen)
     ba = {n: (type(t).__name__, t.dtype, str(t.device), t.clone()) for n, t in a.named_buffers()}
     bb = {n: (type(t).__name__, t.dtype, str(t.device), t.clone()) for n, t in b.named_buffers()}
@@ -452,10 +450,7 @@ class NoGradPathNet(Net):
 @multi_rank(world_sizes=(2,))
 def test_param_used_only_under_no_grad():
     a, b = _both(NoGradPathNet)
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        assert _param_types(a) == _param_types(b)
+    _steps_match(a, b, 2, same=_param_types, zero_grad=False)
 
 
 # User forward hooks see the same parameter state as under PyTorch.

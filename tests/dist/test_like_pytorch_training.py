@@ -290,9 +290,7 @@ class TwiceNet(Net):
 @multi_rank(world_sizes=(2,))
 def test_block_forwarded_twice():
     a, b = _both(TwiceNet)
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
+    _steps_match(a, b, 2, zero_grad=False)
 
 
 # Sharded parameter metadata: placements, local shapes (uneven and empty shards,
@@ -469,12 +467,7 @@ def test_hsdp_matches_torch(shape):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     a, b = _both(mesh=mesh)
     assert _meta(a) == _meta(b)
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        assert _meta(a) == _meta(b)
-        for m in (a, b):
-            m.zero_grad()
+    _steps_match(a, b, 2, same=_meta)
 
 
 # clip_grad_norm_ and fused / foreach optimizers on CPU.
@@ -513,10 +506,7 @@ def test_requires_grad_false_after_sharding():
     for m in (a, b):
         m.blocks[0].lin1.weight.requires_grad_(False)
         m.out.requires_grad_(False)
-    for it in range(2):
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        assert _meta(a) == _meta(b)
+    _steps_match(a, b, 2, same=_meta, zero_grad=False)
 
 
 # model.to(dtype) after sharding, then train.

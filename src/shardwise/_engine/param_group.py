@@ -42,6 +42,7 @@ from shardwise.comm import (
     ReduceScatter,
     WorkHandle,
 )
+from shardwise.errors import MixedDtypeError
 from shardwise.mesh import MeshInfo, SubgroupInfo
 from shardwise.policies import MixedPrecisionPolicy
 
@@ -121,8 +122,6 @@ def check_trainable_dtypes(trainable: list[tuple[torch.dtype, str]], mp: MixedPr
     dtypes = {dtype for dtype, _ in trainable}
     if len(dtypes) <= 1 or mp.param_dtype is not None:
         return
-    from shardwise.errors import MixedDtypeError
-
     raise MixedDtypeError(
         f"FSDP expects uniform original parameter dtype but got {sorted(map(str, dtypes))} among "
         f"the trainable parameters of one fully_shard group "
