@@ -88,8 +88,9 @@ def init_module_(module: nn.Module) -> None:
     """
     if isinstance(module, (nn.Linear, nn.Embedding)):
         module.weight.normal_(0.0, INIT_STD)
-        if getattr(module, "bias", None) is not None:
-            module.bias.zero_()
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            bias.zero_()
     elif isinstance(module, nn.LayerNorm):
         if module.weight is not None:
             module.weight.fill_(1.0)
@@ -186,7 +187,8 @@ class GPT(nn.Module):
         x = F.dropout(x, self.cfg.dropout, self.training)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.norm(x))
+        logits: torch.Tensor = self.lm_head(self.norm(x))
+        return logits
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor) -> Tensor:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
 
 _OK = "ok"
 _ERROR = "error"
@@ -90,7 +91,7 @@ def _worker_main(
             torch.set_num_interop_threads(1)
         except RuntimeError:
             pass
-        store = dist.TCPStore(
+        store = TCPStore(
             _HOST,
             store_port,
             None,

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
 
 from shardwise.testing._worker import (
     _DIED,
@@ -247,7 +248,8 @@ def multi_rank(
         parametrize = pytest.mark.parametrize(
             "world_size", sizes, ids=[f"ws{size}" for size in sizes]
         )
-        return parametrize(wrapper)
+        marked: Callable[..., None] = parametrize(wrapper)
+        return marked
 
     return decorate
 
@@ -435,7 +437,7 @@ class _Pool:
         self._dump_paths: list[str] = []
         # The master store lives in this process on a port the OS picks, so
         # concurrent sessions (pytest-xdist, ...) cannot race for a port.
-        self._store: dist.TCPStore | None = dist.TCPStore(
+        self._store: TCPStore | None = TCPStore(
             _HOST,
             0,
             None,
@@ -673,7 +675,8 @@ class _Pool:
         try:
             if not conn.poll():
                 return None
-            return pickle.loads(conn.recv_bytes())
+            message: tuple[Any, ...] = pickle.loads(conn.recv_bytes())
+            return message
         except (EOFError, OSError):
             return None
 

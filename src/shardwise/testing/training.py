@@ -97,9 +97,9 @@ def parity_train(
     for step in range(steps):
         x, y = make_batch(step, rank)
         loss = loss_fn(model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         ref_loss = loss_fn(ref_compute(x), y)
-        ref_loss.backward()
+        ref_loss.backward()  # type: ignore[no-untyped-call]
         if ref_compute is not ref:
             _reduce_into_master(ref_compute, ref, reduce_dtype or param_dtype)  # type: ignore[arg-type]
         else:
