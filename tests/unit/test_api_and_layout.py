@@ -27,6 +27,7 @@ LAYERS = {
     "shardwise.wrap": 4,  # wrap policies + apply_policy, above fully_shard
     "shardwise.compat": 5,  # the wrapper API, above fully_shard and wrap
     "shardwise.models": 0,
+    "shardwise.layout": 0,  # chunk arithmetic, used by every layer
     "shardwise.planner": 0,  # depends on policies alone
     "shardwise.checkpoint": 4,  # state dicts over the engine, beside wrap
     "shardwise.testing": 9,
@@ -248,7 +249,7 @@ def test_policies_are_frozen_and_validated():
 
 
 def test_shard_layout_matches_torch_chunk():
-    from shardwise._engine.sharded_param import ShardLayout
+    from shardwise.layout import ShardLayout
 
     for dim_size in range(0, 11):
         for ws in (1, 2, 3, 4, 7):
@@ -271,7 +272,7 @@ def test_shard_layout_matches_torch_chunk():
 
 
 def test_shard_layout_other_dim():
-    from shardwise._engine.sharded_param import ShardLayout
+    from shardwise.layout import ShardLayout
 
     full = torch.randn(4, 7, 3)
     ws = 3

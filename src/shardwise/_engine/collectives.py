@@ -21,7 +21,7 @@ from shardwise.comm import (
 )
 from shardwise.errors import CollectiveError
 
-from .sharded_param import ShardLayout
+from shardwise.layout import ShardLayout
 
 T = TypeVar("T")
 

@@ -47,7 +47,9 @@ from shardwise.mesh import MeshInfo, SubgroupInfo
 from shardwise.policies import MixedPrecisionPolicy
 
 from . import collectives as coll
-from .sharded_param import ShardedParam, ShardedState, ShardLayout, free_storage
+from shardwise.layout import ShardLayout
+
+from .sharded_param import ShardedParam, ShardedState, free_storage
 
 # The module state type (module_state.ModuleState, which imports this module).
 S = TypeVar("S")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 import inspect
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -17,6 +17,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise.errors import ConfigError, UnsupportedError
+from shardwise.layout import ShardLayout
 from shardwise.mesh import MeshInfo, join_meshes
 
 
@@ -26,84 +27,6 @@ class ShardedState(Enum):
     SHARDED = auto()  # only the shards exist
     SHARDED_POST_FORWARD = auto()  # shards over a smaller group (reshard_after_forward=int)
     UNSHARDED = auto()  # the full parameters exist and are registered on the modules
-
-
-class ShardLayout(NamedTuple):
-    """How one tensor is cut into ``num_shards`` chunks along ``dim``, exactly as
-    ``torch.chunk`` cuts it: every chunk holds ``chunk`` rows except the last
-    non-empty one; ranks past the last chunk hold nothing. Each rank's chunk is
-    stored padded to ``chunk`` rows so that collectives see equal sizes."""
-
-    num_shards: int
-    rank: int
-    dim: int
-    dim_size: int
-    chunk: int
-    padded_shape: torch.Size
-
-    @staticmethod
-    def make(shape: torch.Size, dim: int, num_shards: int, rank: int) -> ShardLayout:
-        dim_size = shape[dim]
-        chunk = -(-dim_size // num_shards)
-        padded = list(shape)
-        padded[dim] = chunk
-        return ShardLayout(num_shards, rank, dim, dim_size, chunk, torch.Size(padded))
-
-    def rows(self, rank: int) -> int:
-        """Real (unpadded) rows of ``rank``'s chunk."""
-        return max(0, min(self.chunk, self.dim_size - rank * self.chunk))
-
-    @property
-    def local_rows(self) -> int:
-        return self.rows(self.rank)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.padded_shape.numel()
-
-    def gather_into(self, full: torch.Tensor, gathered: torch.Tensor) -> None:
-        """Copy every rank's padded chunk (``gathered``: [num_shards, *padded_shape])
-        into the full tensor, dropping padding. At most two copies."""
-        if self.chunk == 0:
-            return
-        whole = self.dim_size // self.chunk  # ranks whose chunk is full
-        if whole:
-            dst = self._split_rows(full.narrow(self.dim, 0, whole * self.chunk), whole)
-            dst.movedim(self.dim, 0).copy_(gathered[:whole])
-        rem = self.dim_size - whole * self.chunk
-        if rem:
-            full.narrow(self.dim, whole * self.chunk, rem).copy_(
-                gathered[whole].narrow(self.dim, 0, rem)
-            )
-
-    def scatter_from(self, full: torch.Tensor, out: torch.Tensor) -> None:
-        """Inverse of :meth:`gather_into`: lay ``full`` out as padded chunks in
-        ``out`` ([num_shards, *padded_shape]), zeroing the padding."""
-        if self.chunk == 0:
-            return
-        whole = self.dim_size // self.chunk
-        if whole:
-            src = self._split_rows(full.narrow(self.dim, 0, whole * self.chunk), whole)
-            out[:whole].copy_(src.movedim(self.dim, 0))
-        rem = self.dim_size - whole * self.chunk
-        if whole < self.num_shards:
-            tail = out[whole]
-            if rem:
-                tail.narrow(self.dim, 0, rem).copy_(full.narrow(self.dim, whole * self.chunk, rem))
-            tail.narrow(self.dim, rem, self.chunk - rem).zero_()
-            out[whole + 1 :].zero_()
-
-    def _split_rows(self, t: torch.Tensor, whole: int) -> torch.Tensor:
-        """View ``t``'s ``dim`` (``whole * chunk`` long) as ``(whole, chunk)``."""
-        shape = list(t.shape)
-        return t.view(*shape[: self.dim], whole, self.chunk, *shape[self.dim + 1 :])
-
-    def local_chunk(self, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
-        """``rank``'s unpadded chunk of ``full`` (a view)."""
-        r = self.rank if rank is None else rank
-        rows = self.rows(r)
-        start = min(r * self.chunk, self.dim_size)
-        return full.narrow(self.dim, start, rows)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ from shardwise.checkpoint.ranks import agree, rank
 from shardwise.checkpoint.state import listing
 from shardwise.errors import CheckpointError, ConfigTypeError
 from shardwise.fully_shard import summon_full_params
+from shardwise.layout import chunk_span
 
 __all__ = ["export", "load_from_file", "local_box"]
 
@@ -165,9 +166,7 @@ def local_box(value: DTensor) -> tuple[list[int], list[int]]:
         if type(placement) is Shard:
             d = placement.dim if placement.dim >= 0 else placement.dim + len(size)
             n = value.device_mesh.size(mesh_dim)
-            chunk = -(-size[d] // n) if size[d] else 0
-            start = min(coord[mesh_dim] * chunk, size[d])
-            length = max(0, min(chunk, size[d] - coord[mesh_dim] * chunk))
+            start, length = chunk_span(size[d], n, coord[mesh_dim])
             offset[d] += start
             size[d] = length
         elif not isinstance(placement, Replicate):

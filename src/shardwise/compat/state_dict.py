@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from shardwise._engine.param_group import ParamGroup
 from shardwise.errors import ConfigError, ConfigTypeError, MismatchError
+from shardwise.layout import chunk_span
 
 from .config import (
     CONFIG_FOR_TYPE,
@@ -161,10 +162,8 @@ def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placemen
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
             n, r = mesh.size(mesh_dim), coordinate[mesh_dim]
-            size = out.size(placement.dim)
-            chunk = -(-size // n)
-            start = min(r * chunk, size)
-            out = out.narrow(placement.dim, start, max(0, min(chunk, size - start)))
+            start, length = chunk_span(out.size(placement.dim), n, r)
+            out = out.narrow(placement.dim, start, length)
     return out
 
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardwise.layout import chunk_span
 from shardwise.policies import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -153,9 +154,7 @@ def shard_numel(shape: Sequence[int], num_shards: int, shard_index: int, dim: in
     if len(shape) == 0:
         # fully_shard treats a scalar as one row
         return 1 if shard_index == 0 else 0
-    rows = shape[dim]
-    chunk = -(-rows // num_shards) if rows else 0
-    mine = max(0, min(chunk, rows - shard_index * chunk))
+    mine = chunk_span(shape[dim], num_shards, shard_index)[1]
     rest = 1
     for i, size in enumerate(shape):
         if i != dim:
