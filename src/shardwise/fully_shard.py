@@ -11,26 +11,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.distributed.tensor import Shard
 
 from shardwise._engine.module_state import ModuleState, state_of, states_under
 from shardwise._engine.param_group import ParamGroup
-from shardwise._engine.sharded_param import ShardedParam
+from shardwise._engine.setup import shard_modules
 from shardwise.comm import AllGather, ReduceScatter
-from shardwise.errors import (
-    AlreadyShardedError,
-    ConfigError,
-    ConfigTypeError,
-    UnsupportedError,
-)
-from shardwise.mesh import (
-    MeshInfo,
-    default_mesh,
-    mesh_info,
-    resolve_reshard_after_forward,
-)
-from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardwise.errors import AlreadyShardedError, ConfigError, ConfigTypeError
+from shardwise.mesh import default_mesh
+from shardwise.policies import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
@@ -41,9 +30,6 @@ __all__ = [
     "summon_full_params",
 ]
 
-# original parameter -> description of the group that manages it, to refuse a
-# parameter shared by two groups.
-_OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _FSDP_CLASSES: dict[type, type] = {}
 
 
@@ -117,7 +103,7 @@ class FSDPModule:
             recurse: also set it on every FSDP module below this one. (Default: ``True``)
         """
         for group in self._groups(recurse):
-            group.requires_grad_sync = bool(requires_gradient_sync)
+            group.settings.requires_grad_sync = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP only: whether to all-reduce across replicas after the reduce-scatter.
@@ -128,7 +114,7 @@ class FSDPModule:
             recurse: also for every FSDP module below. (Default: ``True``)
         """
         for group in self._groups(recurse):
-            group.requires_all_reduce = bool(requires_all_reduce)
+            group.settings.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free full parameters after forward (re-gathered for backward).
@@ -157,19 +143,20 @@ class FSDPModule:
             recurse: also for every FSDP module below. (Default: ``True``)
         """
         for group in self._groups(recurse):
-            group.reshard_after_backward = bool(reshard_after_backward)
+            group.settings.reshard_after_backward = bool(reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this module's parameters at all (off for modules
         whose gradients and input-gradients need no parameters). (This module only.)"""
         group = self._get_fsdp_state().group
         if group is not None:
-            group.unshard_in_backward = bool(unshard_in_backward)
+            group.settings.unshard_in_backward = bool(unshard_in_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step: only
-        then does its end wait for pending gradient reductions (microbatching)."""
-        self._get_fsdp_state().ctx.is_last_backward = bool(is_last_backward)
+        """Accepted for compatibility: whether the next backward is the last
+        before the optimizer step. shardwise ends every backward with all
+        gradients reduced and installed (its collectives are async work, with
+        no streams to wait on at the last one), so this changes nothing."""
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Explicit forward prefetch: these modules' all-gathers are issued right
@@ -187,7 +174,7 @@ class FSDPModule:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ConfigError(f"gradient divide factor must be a positive number, got {factor!r}.")
         for group in self._groups(recurse=False):  # this module only, as PyTorch
-            group.gradient_divide_factor = float(factor)
+            group.settings.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Old name of :meth:`set_gradient_divide_factor`."""
@@ -204,7 +191,7 @@ class FSDPModule:
             recurse: also for every FSDP module below. (Default: ``True``)
         """
         for group in self._groups(recurse):
-            group.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+            group.settings.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many gradient reduce-scatters may be in flight while backward goes
@@ -218,8 +205,11 @@ class FSDPModule:
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        for group in self._groups(recurse):
-            group.max_pending_reductions = max_input_buffers
+        # One queue of reductions under the root: the bound is the root's (the
+        # states below share its context after the first forward).
+        states = states_under(self) if recurse else [self._get_fsdp_state()]  # type: ignore[arg-type]
+        for state in states:
+            state.ctx.max_pending = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Run gradient reduce-scatters on their own process group (over the same
@@ -269,7 +259,7 @@ class FSDPModule:
         if not callable(hook):
             raise ConfigTypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}.")
         for group in self._groups(recurse=False):
-            group.all_reduce_hook = hook
+            group.settings.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """An event recorded after the optimizer step: the next all-gathers wait on
@@ -283,7 +273,7 @@ class FSDPModule:
                 f"set_custom_all_gather expects a shardwise.AllGather, got {type(comm).__name__}."
             )
         for group in self._groups(recurse=False):
-            group.all_gather_comm = comm
+            group.settings.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Take over how this module's reduce-scatters allocate and communicate."""
@@ -292,7 +282,7 @@ class FSDPModule:
                 f"set_custom_reduce_scatter expects a shardwise.ReduceScatter, got {type(comm).__name__}."
             )
         for group in self._groups(recurse=False):
-            group.reduce_scatter_comm = comm
+            group.settings.reduce_scatter_comm = comm
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward, call on the root: waits for
@@ -329,7 +319,7 @@ def _set_prefetch(module: FSDPModule, modules: list[FSDPModule], attr: str) -> N
             groups.append(g)
     group = module._get_fsdp_state().group
     if group is not None:
-        setattr(group, attr, groups)
+        setattr(group.settings, attr, groups)
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
@@ -457,41 +447,16 @@ def fully_shard(
             "reshard_after_forward should be a bool, None, or an int giving the group size to "
             f"reshard to after forward, not {reshard_after_forward!r}."
         )
-    info = mesh_info(mesh if mesh is not None else default_mesh(), dp_mesh_dims)
-    auto = reshard_after_forward is None
-    if info.spmd_mesh is not None and not isinstance(reshard_after_forward, bool) and isinstance(
-        reshard_after_forward, int
-    ):
-        raise UnsupportedError(
-            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims); "
-            "pass True or False."
-        )
-    raf = resolve_reshard_after_forward(True if auto else reshard_after_forward, info)
-    ignored = _check_ignored(ignored_params, modules)
-    conflicts: list[str] = []
-    collected = _collect_params(modules, ignored, conflicts, None if info.spmd_mesh is not None else info.mesh)
-    # Trainable dtypes are checked at the first forward, as PyTorch does
-    # (requires_grad may still change until then).
-    offload = isinstance(offload_policy, CPUOffloadPolicy)
-    storage_device = torch.device("cpu") if offload else info.device
-    params = _make_sharded_params(collected, info, shard_placement_fn, storage_device)
-    _move_buffers(modules, info.device)
-
-    group = None
-    desc = f"{type(modules[0]).__name__}"
-    if params:
-        # Pinned host shards let the host-to-device copy overlap compute (CUDA only).
-        pin = offload and offload_policy.pin_memory and torch.cuda.is_available()  # type: ignore[attr-defined]
-        group = ParamGroup(params, modules, info, info.device, mp_policy, raf, storage_device, desc, pin)
-    for orig, *_ in collected:
-        _OWNED[orig] = desc
-    for managed in _managed_modules(modules):
-        # What PyTorch sets on every module it manages (dynamo and tools read them).
-        managed._is_fsdp_managed_module = True  # type: ignore[assignment]
-        managed._fsdp_use_orig_params = True  # type: ignore[assignment]
-    state = ModuleState(modules, group, mp_policy, auto, info.device)
-    if conflicts:
-        state.deferred_error = conflicts[0]
+    shard_modules(
+        modules,
+        mesh=mesh if mesh is not None else default_mesh(),
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
+    )
     for m in modules:
         cls = type(m)
         fsdp_cls = _FSDP_CLASSES.get(cls)
@@ -520,173 +485,3 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
                 "apply it to the modules inside, or pass them as a list: fully_shard(list(container))."
             )
     return modules
-
-
-def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
-    """``modules`` and their submodules not under a nested fully_shard."""
-    out: list[nn.Module] = []
-    stack = list(modules)
-    seen: set[int] = set()
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        out.append(m)
-        stack.extend(c for c in m.children() if state_of(c) is None)
-    return out
-
-
-def _check_ignored(ignored_params: Any, modules: tuple[nn.Module, ...]) -> set[int]:
-    if ignored_params is None:
-        return set()
-    try:
-        items = list(ignored_params)
-    except TypeError:
-        raise ConfigTypeError(
-            f"ignored_params must be a set of nn.Parameters, got {type(ignored_params).__name__}."
-        ) from None
-    for p in items:
-        if not isinstance(p, torch.Tensor):
-            raise ConfigTypeError(f"ignored_params must hold nn.Parameters, got {type(p).__name__}.")
-    # A Parameter of another module is allowed (PyTorch's fully_shard takes one
-    # set for a whole model, and the wrapper passes its root's to every unit);
-    # a tensor that is no parameter anywhere would be ignored silently.
-    plain = [p for p in items if not isinstance(p, nn.Parameter)]
-    if plain:
-        registered = {id(t) for m in modules for sub in m.modules() for t in sub._parameters.values()}
-        for p in plain:
-            if id(p) not in registered:
-                raise ConfigError(
-                    f"ignored_params holds a tensor of shape {tuple(p.shape)} ({p.dtype}) that is not a "
-                    "parameter of the module: a plain tensor (param.data, param.detach(), a state_dict() "
-                    "value, a copy) never matches a parameter, so that parameter would be sharded anyway. "
-                    "Pass the nn.Parameter objects the module registers, e.g. "
-                    "ignored_params=set(module.head.parameters())."
-                )
-    return {id(p) for p in items}
-
-
-Collected = tuple[nn.Parameter, list[tuple[nn.Module, str]], str]
-
-
-def _on_data_parallel_mesh(p: DTensor, dp_mesh: DeviceMesh | None) -> bool:
-    """Whether a DTensor parameter already uses the data-parallel mesh (sharded
-    by fully_shard applied top-down) rather than a tensor-parallel one. With
-    ``dp_mesh_dims`` (``dp_mesh`` None) parameters live on the whole mesh."""
-    if dp_mesh is None:
-        return False
-    mesh = p.device_mesh
-    if mesh == dp_mesh:
-        return True
-    names, dp_names = mesh.mesh_dim_names, dp_mesh.mesh_dim_names
-    return names is None or dp_names is None or bool(set(names) & set(dp_names))
-
-
-def _collect_params(
-    modules: tuple[nn.Module, ...], ignored: set[int], conflicts: list[str], dp_mesh: DeviceMesh | None = None
-) -> list[Collected]:
-    """Parameters of ``modules`` not owned by a nested fully_shard, with every
-    place each is registered; validated before anything is changed. Parameters
-    that another group already manages are described in ``conflicts``."""
-    found: dict[int, Collected] = {}
-    seen_modules: set[int] = set()
-
-    def visit(mod: nn.Module, prefix: str, top: bool) -> None:
-        if id(mod) in seen_modules:
-            return
-        seen_modules.add(id(mod))
-        if not top and state_of(mod) is not None:
-            return  # owned by a nested fully_shard
-        for name, p in mod._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            fqn = prefix + name
-            if id(p) in found:
-                found[id(p)][1].append((mod, name))
-                continue
-            if isinstance(p, DTensor) and _on_data_parallel_mesh(p, dp_mesh):
-                raise ConfigError(
-                    f"parameter {fqn!r} is already a DTensor on {p.device_mesh} "
-                    f"{tuple(p.placements)}, which shares mesh dims with fully_shard's mesh "
-                    f"{dp_mesh}. If it is already sharded: apply fully_shard bottom-up (inner "
-                    "modules first, then their parents), once per module. If it is tensor "
-                    "parallel: pass fully_shard only the data-parallel dims of the same mesh "
-                    "(TP on mesh['tp'] -> mesh=mesh['dp']), or the whole mesh with dp_mesh_dims."
-                )
-            owner = _OWNED.get(p)  # type: ignore[no-untyped-call]
-            if owner is not None:
-                # Left unmanaged here; reported at the first forward, as PyTorch does.
-                conflicts.append(
-                    f"parameter {fqn!r} is shared with another fully_shard group ({owner}); a "
-                    "parameter must belong to one group. Put all modules that use it in one "
-                    "group: fully_shard([module_a, module_b]), or shard only their common parent."
-                )
-                continue
-            if p.ndim == 0:
-                raise ConfigError(
-                    f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor "
-                    "with numel equal to 1."
-                )
-            found[id(p)] = (p, [(mod, name)], fqn)
-        for cname, child in mod._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{cname}.", False)
-
-    for i, m in enumerate(modules):
-        visit(m, f"[{i}]." if len(modules) > 1 else "", True)
-    collected = list(found.values())
-    devices = {p.device for p, _, _ in collected}
-    if len(devices) > 1:
-        where = ", ".join(f"{fqn} on {p.device}" for p, _, fqn in collected[:6])
-        raise ConfigError(
-            f"fully_shard needs all of a module's parameters on one device, found {sorted(map(str, devices))} "
-            f"({where}, ...). Move the module first, e.g. module.to(device), or build it on the meta device."
-        )
-    return collected
-
-
-def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
-    """Buffers are never sharded; like parameters they go to the compute device."""
-    for m in modules:
-        for sub in m.modules():
-            for name, buf in sub._buffers.items():
-                if buf is not None and buf.device.type != "meta" and buf.device != device:
-                    sub._buffers[name] = buf.to(device)
-
-
-def _make_sharded_params(
-    collected: list[Collected],
-    info: MeshInfo,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    storage_device: torch.device,
-) -> list[ShardedParam]:
-    params = []
-    for p, owners, fqn in collected:
-        dim = 0
-        if shard_placement_fn is not None:
-            placement = shard_placement_fn(p)
-            if placement is not None:
-                if not isinstance(placement, Shard):
-                    raise ConfigTypeError(
-                        f"shard_placement_fn must return Shard(dim) or None, got {placement!r} for {fqn}."
-                    )
-                dim = placement.dim if placement.dim >= 0 else placement.dim + p.ndim
-                if not 0 <= dim < p.ndim:
-                    raise ConfigError(
-                        f"shard_placement_fn returned Shard({placement.dim}) for {fqn} of shape "
-                        f"{tuple(p.shape)}; the dim must be in [-{p.ndim}, {p.ndim})."
-                    )
-                local_shape = (p._local_tensor if isinstance(p, DTensor) else p).shape
-                if dim != 0 and local_shape[dim] % info.shard_size != 0:
-                    raise UnsupportedError(
-                        f"FSDP does not support uneven sharding on dim {dim}: {fqn} has shape "
-                        f"{tuple(p.shape)} and the shard group has {info.shard_size} ranks (as in "
-                        "PyTorch). Shard it on dim 0, or on a dim its size divides evenly."
-                    )
-        sp = ShardedParam(p, owners, info, dim, fqn)
-        src = sp.initial_source
-        if src is not None and src.device.type != "meta" and src.device != storage_device:
-            sp.initial_source = src.detach().to(storage_device)
-        params.append(sp)
-    return params

@@ -5,11 +5,12 @@ optimizer state, checkpoints and the memory planner all use it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["ShardLayout", "chunk_rows", "chunk_span"]
+__all__ = ["FlatLayout", "ShardLayout", "chunk_rows", "chunk_span"]
 
 
 def chunk_rows(size: int, parts: int) -> int:
@@ -99,3 +100,39 @@ class ShardLayout(NamedTuple):
         """``rank``'s unpadded chunk of ``full`` (a view)."""
         start, rows = chunk_span(self.dim_size, self.num_shards, self.rank if rank is None else rank)
         return full.narrow(self.dim, start, rows)
+
+
+class FlatLayout(NamedTuple):
+    """Several padded shards back to back in one flat buffer (a group's
+    sharded storage, and each rank's row of its all-gather / reduce-scatter
+    buffers), computed once per group rather than per collective."""
+
+    layouts: tuple[ShardLayout, ...]
+    offsets: tuple[int, ...]  # where each starts; the last entry is the total
+    sizes: tuple[int, ...]  # padded elements of each
+    num_shards: int
+    # Every parameter sharded on dim 0: copies may go through the fused kernels.
+    dim0: bool
+    # ... and each holds at least one row per rank (``torch._chunk_cat`` applies).
+    chunk_cat: bool
+
+    @staticmethod
+    def of(layouts: Sequence[ShardLayout]) -> FlatLayout:
+        offsets, acc = [], 0
+        for layout in layouts:
+            offsets.append(acc)
+            acc += layout.padded_numel
+        offsets.append(acc)
+        dim0 = all(layout.dim == 0 for layout in layouts)
+        return FlatLayout(
+            tuple(layouts),
+            tuple(offsets),
+            tuple(layout.padded_numel for layout in layouts),
+            layouts[0].num_shards if layouts else 1,
+            dim0,
+            dim0 and all(layout.chunk > 0 for layout in layouts),
+        )
+
+    @property
+    def total(self) -> int:
+        return self.offsets[-1]

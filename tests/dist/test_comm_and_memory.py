@@ -34,13 +34,13 @@ def _record():
     log = []
     orig_ag, orig_rs = coll.start_all_gather, coll.start_reduce_scatter
 
-    def ag(comm, shards, flat, layouts, group, dtype, device, where, post_forward):
+    def ag(comm, flat_source, flat, group, dtype, device, where, *rest):
         log.append(("AG", where, dtype))
-        return orig_ag(comm, shards, flat, layouts, group, dtype, device, where, post_forward)
+        return orig_ag(comm, flat_source, flat, group, dtype, device, where, *rest)
 
-    def rs(comm, grads, layouts, group, dtype, device, predivide, where):
+    def rs(comm, grads, flat, group, dtype, device, predivide, where, *rest):
         log.append(("RS", where, dtype))
-        return orig_rs(comm, grads, layouts, group, dtype, device, predivide, where)
+        return orig_rs(comm, grads, flat, group, dtype, device, predivide, where, *rest)
 
     coll.start_all_gather, coll.start_reduce_scatter = ag, rs
     try:
@@ -193,7 +193,7 @@ def test_backward_prefetch_in_post_backward():
     block i's reduce-scatter (so that reduce-scatter overlaps the next compute)."""
     model, cfg = _model()
     for state in [b._get_fsdp_state() for b in model.blocks] + [model._get_fsdp_state()]:
-        state.group.prefetch_in_post_backward = True
+        state.group.settings.prefetch_in_post_backward = True
     _step(model, cfg)
     with _record() as log:
         _step(model, cfg)
@@ -214,7 +214,7 @@ def test_keep_low_precision_grads():
 
     model, cfg = _model(mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     for b in model.blocks:
-        b._get_fsdp_state().group.keep_low_precision_grads = True
+        b._get_fsdp_state().group.settings.keep_low_precision_grads = True
     _step(model, cfg)
     for b in model.blocks:
         for p in b.parameters():

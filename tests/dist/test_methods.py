@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -96,7 +97,8 @@ def test_unshard_in_backward_off_skips_the_gather():
     model.emb.set_unshard_in_backward(False)
     names = []
     orig = coll.start_all_gather
-    coll.start_all_gather = lambda *a, **k: names.append(a[7]) or orig(*a, **k)
+    where = inspect.signature(orig)
+    coll.start_all_gather = lambda *a, **k: names.append(where.bind(*a, **k).arguments["where"]) or orig(*a, **k)
     try:
         model(_ids(0)).backward()
     finally:

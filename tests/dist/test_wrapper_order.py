@@ -23,13 +23,13 @@ def _record():
     log: list[tuple[str, str, int]] = []
     orig_ag, orig_rs = coll.start_all_gather, coll.start_reduce_scatter
 
-    def ag(comm, shards, flat, layouts, group, dtype, device, where, post_forward):
+    def ag(comm, flat_source, flat, group, dtype, device, where, *rest):
         log.append(("AG", where, group.size()))
-        return orig_ag(comm, shards, flat, layouts, group, dtype, device, where, post_forward)
+        return orig_ag(comm, flat_source, flat, group, dtype, device, where, *rest)
 
-    def rs(comm, grads, layouts, group, dtype, device, predivide, where):
+    def rs(comm, grads, flat, group, dtype, device, predivide, where, *rest):
         log.append(("RS", where, group.size()))
-        return orig_rs(comm, grads, layouts, group, dtype, device, predivide, where)
+        return orig_rs(comm, grads, flat, group, dtype, device, predivide, where, *rest)
 
     coll.start_all_gather, coll.start_reduce_scatter = ag, rs
     try:

@@ -1,7 +1,19 @@
 """Grouped collectives: one all-gather of a whole group's shards (copy-in,
-collective, copy-out) and one reduce-scatter of its gradients. Every buffer
-comes from the group's ``Comm`` and every collective goes through its call, so
-the default path and a user's custom collective are one code path."""
+collective, copy-out) and one reduce-scatter of its gradients. Every collective
+goes through the group's ``Comm`` call, so the default path and a user's custom
+collective are one code path; buffers come from a custom comm's ``allocate``,
+or, for ours, from a :class:`BufferPool` shared by the groups under one root.
+
+[Note: reused buffers]
+A step gathers and reduces every group in turn, and groups of one model are
+mostly alike (N identical blocks), so the same few buffer sizes are asked for
+again and again. The pool keeps buffers that a finished collective no longer
+needs (all-gather outputs once copied out, cast all-gather inputs and
+reduce-scatter inputs once the collective completed) and hands them to the
+next collective of the same size, dtype and device: no allocator churn, no
+fresh pages to fault in, and resident memory stays at what is live at the
+peak. Reduce-scatter outputs are never pooled: gradients are views of them.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +32,38 @@ from shardwise.comm import (
     WorkHandle,
 )
 from shardwise.errors import CollectiveError
-
-from shardwise.layout import ShardLayout
+from shardwise.layout import FlatLayout
 
 T = TypeVar("T")
+
+
+class BufferPool:
+    """Free communication buffers by (numel, dtype, device); see [Note: reused
+    buffers]. At most ``keep`` are kept per key."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((numel, dtype, device))
+        if free:
+            return free.pop()
+        with torch.inference_mode(False):  # reused outside inference mode too
+            return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, *buffers: torch.Tensor) -> None:
+        for t in buffers:
+            free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
+            if len(free) < self.keep:
+                free.append(t)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
 
 
 class AllGatherResult(NamedTuple):
@@ -33,8 +73,8 @@ class AllGatherResult(NamedTuple):
     work: WorkHandle | None
     input: torch.Tensor  # kept alive until the collective completes
     post_forward: bool  # gathered over the post-forward subgroup
-    layouts: Sequence[ShardLayout]  # how each parameter sits in ``output``
-    offsets: list[int]  # computed once at the start, reused at the finish
+    flat: FlatLayout  # how each parameter sits in a row of ``output``
+    pooled: tuple[torch.Tensor, ...]  # buffers to give back once copied out
 
 
 class PackedGatherResult(NamedTuple):
@@ -56,7 +96,8 @@ class ReduceScatterResult(NamedTuple):
     output: torch.Tensor  # this rank's reduced padded shards, concatenated
     work: WorkHandle | None
     input: torch.Tensor
-    offsets: list[int]  # where each gradient's shard starts in ``output``
+    flat: FlatLayout  # where each gradient's shard sits in ``output``
+    pooled: tuple[torch.Tensor, ...]  # buffers to give back once it completed
 
 
 def is_default(comm: Comm) -> bool:
@@ -151,66 +192,74 @@ def finish_packed_all_gather(result: PackedGatherResult, where: str) -> list[tor
     return views
 
 
-def offsets(layouts: Sequence[ShardLayout]) -> list[int]:
-    out, acc = [], 0
-    for layout in layouts:
-        out.append(acc)
-        acc += layout.padded_numel
-    out.append(acc)
-    return out
+def _buffer(
+    comm: Comm, pool: BufferPool | None, numel: int, dtype: torch.dtype, device: torch.device, where: str, hook: str
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """A 1-D buffer: from the pool for our own comms, else from ``comm.allocate``;
+    with what to give back to the pool."""
+    if pool is not None and is_default(comm):
+        buf = pool.take(numel, dtype, device)
+        return buf, (buf,)
+    return allocate(comm, numel, dtype, device, where, hook), ()
 
 
 def start_all_gather(
     comm: AllGather,
-    shards: Sequence[torch.Tensor],
-    flat_source: torch.Tensor | None,
-    layouts: Sequence[ShardLayout],
+    flat_source: torch.Tensor,
+    flat: FlatLayout,
     group: dist.ProcessGroup,
     dtype: torch.dtype,
     device: torch.device,
     where: str,
     post_forward: bool,
+    pool: BufferPool | None = None,
 ) -> AllGatherResult:
-    """Issue one all-gather of every shard in ``shards`` (padded, in ``layouts``).
-
-    ``flat_source``, when given, already holds all shards back to back: with the
-    default comm it is sent as is (no copy-in) or cast in one op.
+    """Issue one all-gather of ``flat_source``: every shard of a group, padded
+    and back to back as ``flat`` lays them out. Ours sends it as is (no
+    copy-in) or cast into a pooled buffer in one op; a custom comm gets a
+    copy in a buffer of its own allocation.
     """
-    offs = offsets(layouts)
-    total = offs[-1]
-    num_shards = layouts[0].num_shards if layouts else 1
-    if flat_source is not None and is_default(comm):
+    total = flat.total
+    pooled: tuple[torch.Tensor, ...] = ()
+    if is_default(comm):
         inp = flat_source
         if inp.device != device or inp.dtype != dtype:
-            inp = inp.to(device=device, dtype=dtype, non_blocking=True)
+            inp, pooled = _buffer(comm, pool, total, dtype, device, where, "AllGather")
+            inp.copy_(flat_source, non_blocking=True)
     else:
         inp = allocate(comm, total, dtype, device, where, "AllGather")
-        if flat_source is not None:
-            inp.copy_(flat_source)
-        else:
-            for shard, start, end, layout in zip(shards, offs, offs[1:], layouts):
-                inp[start:end].view(layout.padded_shape).copy_(shard)
+        inp.copy_(flat_source)
     if communicates(comm, group):
-        out = allocate(comm, num_shards * total, dtype, device, where, "AllGather")
+        out, more = _buffer(comm, pool, flat.num_shards * total, dtype, device, where, "AllGather")
+        pooled += more
         work = _guard(where, "AllGather", lambda: comm(out, inp, group, True))
     else:
         out, work = inp, None
-    return AllGatherResult(out, work, inp, post_forward, layouts, offs)
+    return AllGatherResult(out, work, inp, post_forward, flat, pooled)
 
 
-def finish_all_gather(result: AllGatherResult, fulls: Sequence[torch.Tensor], where: str) -> None:
-    """Wait for the all-gather and copy each parameter out of the rank-major buffer."""
+def finish_all_gather(
+    result: AllGatherResult, fulls: Sequence[torch.Tensor], where: str, pool: BufferPool | None = None
+) -> None:
+    """Wait for the all-gather and copy each parameter out of the rank-major
+    buffer; then give the pooled buffers back."""
     if result.work is not None:
         _guard(where, "AllGather work", result.work.wait)
-    layouts, offs = result.layouts, result.offsets
-    num_shards = layouts[0].num_shards if layouts else 1
+    _copy_out(result, fulls)
+    if pool is not None and result.pooled:
+        pool.give(*result.pooled)
+
+
+def _copy_out(result: AllGatherResult, fulls: Sequence[torch.Tensor]) -> None:
+    flat = result.flat
+    layouts, offs, num_shards = flat.layouts, flat.offsets, flat.num_shards
     gathered = result.output.view(num_shards, -1)
-    if all(layout.dim == 0 for layout in layouts):
+    if flat.dim0:
         # [Note: fused copies] One op splits the buffer into per-parameter
         # views, one foreach copy fills every parameter whose rows divide
         # evenly (its [num_shards, chunk numel] view is exactly its part of
         # each rank's row); only uneven ones take their own (two) copies.
-        pieces = torch.split_with_sizes(gathered, [layout.padded_numel for layout in layouts], dim=1)
+        pieces = torch.split_with_sizes(gathered, flat.sizes, dim=1)
         dsts, srcs = [], []
         for full, piece, layout in zip(fulls, pieces, layouts):
             if layout.chunk == 0:
@@ -230,20 +279,22 @@ def finish_all_gather(result: AllGatherResult, fulls: Sequence[torch.Tensor], wh
 def start_reduce_scatter(
     comm: ReduceScatter,
     grads: Sequence[torch.Tensor],
-    layouts: Sequence[ShardLayout],
+    flat: FlatLayout,
     group: dist.ProcessGroup,
     dtype: torch.dtype,
     device: torch.device,
     predivide: float,
     where: str,
+    pool: BufferPool | None = None,
 ) -> ReduceScatterResult:
-    """Issue one reduce-scatter (SUM) of every gradient, laid out rank-major."""
-    offs = offsets(layouts)
-    total = offs[-1]
-    num_shards = layouts[0].num_shards
-    inp = allocate(comm, num_shards * total, dtype, device, where, "ReduceScatter")
+    """Issue one reduce-scatter (SUM) of every gradient (laid out as ``flat``:
+    one entry per gradient), rank-major."""
+    layouts, offs, total, num_shards = flat.layouts, flat.offsets, flat.total, flat.num_shards
+    talks = communicates(comm, group)
+    # Without communication the input is the output, which gradients view: not pooled.
+    inp, pooled = _buffer(comm, pool if talks else None, num_shards * total, dtype, device, where, "ReduceScatter")
     rows = inp.view(num_shards, total)
-    if all(layout.dim == 0 and layout.chunk > 0 for layout in layouts):
+    if flat.chunk_cat:
         # [Note: fused copies]: one op pads every gradient's rows to a multiple
         # of num_shards and lays the chunks out rank-major (torch.chunk's cut,
         # the padding zeroed), as PyTorch's FSDP does; gradients in another
@@ -254,8 +305,8 @@ def start_reduce_scatter(
             layout.scatter_from(grad, rows[:, start:end].view(num_shards, *layout.padded_shape))
     if predivide != 1.0:
         inp.div_(predivide)
-    if not communicates(comm, group):
-        return ReduceScatterResult(inp, None, inp, offs)
+    if not talks:
+        return ReduceScatterResult(inp, None, inp, flat, ())
     out = allocate(comm, total, dtype, device, where, "ReduceScatter")
     work = _guard(where, "ReduceScatter", lambda: comm(out, inp, group, dist.ReduceOp.SUM, True))
-    return ReduceScatterResult(out, work, inp, offs)
+    return ReduceScatterResult(out, work, inp, flat, pooled)

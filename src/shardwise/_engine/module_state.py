@@ -27,7 +27,7 @@ from torch.profiler import record_function
 
 from shardwise.policies import MixedPrecisionPolicy
 
-from .param_group import IterationContext, ParamGroup, TrainingState
+from .param_group import IterationContext, ParamGroup
 from .trees import cast_floats, map_tensors
 
 
@@ -150,7 +150,7 @@ class ModuleState:
             )
         self.is_root = True
         # Keep the root's own context: settings made before the first forward
-        # (set_is_last_backward, set_post_optim_event) must survive.
+        # (set_post_optim_event, set_reduce_scatter_max_input_buffers) must survive.
         ctx = self.ctx
         ctx.root = self
         states: list[ModuleState] = []
@@ -252,8 +252,7 @@ class ModuleState:
             if state._modules_to_run:  # a list-group some of whose modules never ran
                 state._modules_to_run.clear()
                 group.post_forward()
-            if group._prefetched and group.training_state == TrainingState.IDLE:
-                group.reshard()  # prefetched for a forward that did not come
+            group.drop_unused_prefetch()
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         inputs = _tensors_requiring_grad((args, kwargs))
@@ -308,21 +307,10 @@ class ModuleState:
             )
         ctx = self.ctx
         for state in ctx.states or [self]:
-            group = state.group
             state._modules_to_run.clear()
-            if group is None:
-                continue
-            if group._in_flight is not None:
-                group.wait_for_unshard()
-            group.reshard()
-            group.training_state = TrainingState.IDLE
-            group.post_forward_indices.clear()
-            group.free_accumulated_grads()
-        while ctx.pending:
-            pr = ctx.pending.popleft()
-            for work in (pr.result.work, pr.all_reduce_work):
-                if work is not None:
-                    work.wait()
+            if state.group is not None:
+                state.group.abort_step()
+        ctx.abandon_pending()
         ctx.post_forward_order.clear()
         ctx.recording = []
         ctx.final_callback_queued = False

@@ -1,6 +1,11 @@
 """The communication unit: the parameters of one ``fully_shard`` call, gathered
 by one all-gather and reduced by one reduce-scatter.
 
+A group is three things kept apart: its settings (``GroupSettings``, what the
+front ends set), its plan (``GroupPlan``, computed once from the parameters'
+layouts) and its runtime state (what one step changes; ``reset_step`` returns
+it to idle).
+
 [Note: prefetch order]
 Collectives on one process group complete in issue order, so overlap is decided
 by when each is issued. In forward, a group issues its own all-gather, then the
@@ -14,16 +19,14 @@ and the prefetched group hold unsharded parameters.
 [Note: pending reductions]
 A reduce-scatter is issued asynchronously in post-backward and finished (waited,
 all-reduced across replicas for HSDP, divided, installed as ``.grad``) later: at
-the next group's post-backward (keeping at most one in flight besides the new
-one) or at the end of backward. HSDP all-reduces are likewise issued async and
-finished one step later.
+the next group's post-backward (keeping at most ``max_pending`` in flight
+besides the new one; one queue under the root) or at the end of backward. HSDP
+all-reduces are likewise issued async and finished one step later.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -35,21 +38,16 @@ import torch.nn as nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.profiler import record_function
 
-from shardwise.comm import (
-    AllGather,
-    DefaultAllGather,
-    DefaultReduceScatter,
-    ReduceScatter,
-    WorkHandle,
-)
-from shardwise.errors import MixedDtypeError
+from shardwise.comm import WorkHandle
+from shardwise.errors import ConfigError, MixedDtypeError
+from shardwise.layout import FlatLayout, ShardLayout
 from shardwise.mesh import MeshInfo, SubgroupInfo
 from shardwise.policies import MixedPrecisionPolicy
 
 from . import collectives as coll
-from shardwise.layout import ShardLayout
-
-from .sharded_param import ShardedParam, ShardedState, free_storage
+from .plan import GroupPlan
+from .settings import GroupSettings
+from .sharded_param import ShardedParam, ShardedState, alloc_storage, free_storage
 
 # The module state type (module_state.ModuleState, which imports this module).
 S = TypeVar("S")
@@ -89,9 +87,12 @@ class IterationContext(Generic[S]):
     # Groups in post-forward order this iteration (reverse = backward order).
     post_forward_order: list[ParamGroup] = field(default_factory=list)
     pending: deque[PendingReduction] = field(default_factory=deque)
-    is_last_backward: bool = True
+    # Reduce-scatters left in flight while backward goes on (the queue's bound).
+    max_pending: int = 1
     final_callback_queued: bool = False
     post_optim_event: Any = None
+    # Communication buffers shared by the groups under this root.
+    pool: coll.BufferPool = field(default_factory=coll.BufferPool)
 
     def freeze_forward_order(self) -> None:
         if self.forward_order is None and self.recording:
@@ -114,6 +115,14 @@ class IterationContext(Generic[S]):
             if pr.group.advance_reduction(pr):
                 continue
             self.pending.append(pr)  # its all-reduce is now in flight
+
+    def abandon_pending(self) -> None:
+        """Wait for every reduction in flight and drop it (after an exception)."""
+        while self.pending:
+            pr = self.pending.popleft()
+            for work in (pr.result.work, pr.all_reduce_work):
+                if work is not None:
+                    work.wait()
 
 
 def check_trainable_dtypes(trainable: list[tuple[torch.dtype, str]], mp: MixedPrecisionPolicy) -> None:
@@ -139,85 +148,66 @@ class ParamGroup:
     def __init__(
         self,
         params: list[ShardedParam],
-        modules: tuple[nn.Module, ...],
+        sources: list[torch.Tensor],
         info: MeshInfo,
         device: torch.device,
-        mp: MixedPrecisionPolicy,
+        settings: GroupSettings,
         reshard_after_forward: bool | int,
         storage_device: torch.device,
         name: str,
         pin_memory: bool = False,
     ) -> None:
         self.params = params
-        self.modules = modules
         self.info = info
         self.device = device  # compute device: where unsharded parameters live
         self.storage_device = storage_device  # where shards live (CPU when offloaded)
         self.pin_memory = pin_memory
-        self._offload_events: list[Any] = []  # gradient copies to the host in flight
         self.name = name
-        self.mp = mp
-        self.sharded_state = ShardedState.SHARDED
-        self.training_state = TrainingState.IDLE
+        self.settings = settings
         self.ctx: IterationContext[Any] = IterationContext()
-        self.all_gather_comm: AllGather = DefaultAllGather()
-        self.reduce_scatter_comm: ReduceScatter = DefaultReduceScatter()
-        self._in_flight: coll.AllGatherResult | coll.PackedGatherResult | None = None
-        self._packed_dtypes: list[torch.dtype] = []
-        # Set when the engine prefetched this group; cleared when it is used.
-        self._prefetched = False
-        self.requires_grad_sync = True
-        self.requires_all_reduce = True
-        self.reshard_after_backward = True
-        self.unshard_in_backward = True
-        self.gradient_divide_factor: float | None = None
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        # Replaces the replicate all-reduce (HSDP / NO_SHARD), e.g. a comm hook;
-        # returns a work handle, or None once the reduction is done.
-        self.replicate_all_reduce: Callable[[torch.Tensor, dist.ProcessGroup], WorkHandle | None] | None = None
-        self.post_forward_indices: list[int] = []
-        self.forward_prefetch: list[ParamGroup] | None = None
-        self.backward_prefetch: list[ParamGroup] | None = None
-        # Issue the backward prefetch in post-backward (after this group's gradient
-        # computation and reshard, before its reduce-scatter: FSDP1's BACKWARD_POST)
-        # instead of in pre-backward (BACKWARD_PRE): less memory, later overlap.
-        self.prefetch_in_post_backward = False
-        self._backward_targets: list[ParamGroup] = []
-        # Install reduced gradients in the low-precision param_dtype instead of the
-        # parameters' own dtype (FSDP1's keep_low_precision_grads).
-        self.keep_low_precision_grads = False
-        # Reduce zeros for trainable parameters without a gradient this backward.
-        self.reduce_scatter_unused_params = False
-        # Reduce-scatters allowed in flight while backward continues.
-        self.max_pending_reductions = 1
         # A process group of its own for reduce-scatters (None: the shard group).
         self._reduce_scatter_group: dist.ProcessGroup | None = None
+        # reshard_after_forward=int: the subgroup and its layouts.
+        self.reshard_after_forward = True
+        self.subgroup: SubgroupInfo | None = None
+        self.post_forward_flat: FlatLayout | None = None
+        self.set_reshard_after_forward(reshard_after_forward)
+        # ---- sharded storage and plan (see _init_storage)
+        self.flat_sharded: torch.Tensor | None = None
+        self.plan = GroupPlan(params, False)
+        self._init_storage(sources)
+        # ---- runtime state
+        self.sharded_state = ShardedState.SHARDED
+        # Open summon_full_params contexts holding this group's full parameters.
+        self.summon_depth = 0
+        # The fast path's unsharded parameters: one buffer (storage freed when
+        # sharded) and each parameter's plain tensor over it.
+        self._unsharded_flat: torch.Tensor | None = None
+        self._unsharded_locals: list[torch.Tensor] = []
         # HSDP with all-reduce off: reduce-scattered sums awaiting their all-reduce.
         self._partial: tuple[list[ShardedParam], torch.Tensor] | None = None
         self._post_forward_data: torch.Tensor | None = None
-        # Open summon_full_params contexts holding this group's full parameters.
-        self.summon_depth = 0
-        self.flat_sharded: torch.Tensor | None = None
-        self.subgroup: SubgroupInfo | None = None
-        self.reshard_after_forward = True
-        self.set_reshard_after_forward(reshard_after_forward)
-        self._init_storage([p.initial_source for p in params])  # type: ignore[misc]
-        for p in params:
-            p.initial_source = None  # never keep the full tensor alive
+        self._offload_events: list[Any] = []  # gradient copies to the host in flight
+        self._in_flight: coll.AllGatherResult | coll.PackedGatherResult | None = None
+        self._packed_dtypes: list[torch.dtype] = []
+        self.training_state = TrainingState.IDLE
+        self.post_forward_indices: list[int] = []
+        self._prefetched = False  # the engine prefetched it; cleared when used
+        self._backward_targets: list[ParamGroup] = []
 
     # ---- configuration --------------------------------------------------------
     def set_reshard_after_forward(self, value: bool | int) -> None:
         from shardwise.mesh import post_forward_subgroup
 
         if isinstance(value, bool):
-            self.reshard_after_forward, self.subgroup = value, None
+            self.reshard_after_forward, self.subgroup, self.post_forward_flat = value, None, None
         else:
             self.reshard_after_forward = True
             self.subgroup = post_forward_subgroup(self.info, value)
-            for p in self.params:
-                p.post_forward_layout = ShardLayout.make(
-                    p.full_shape, p.shard_dim, value, self.subgroup.rank
-                )
+            rank = self.subgroup.rank
+            self.post_forward_flat = FlatLayout.of(
+                [ShardLayout.make(p.full_shape, p.shard_dim, value, rank) for p in self.params]
+            )
 
     def set_separate_reduce_scatter_group(self, enable: bool) -> None:
         """Give reduce-scatters a process group of their own over the shard ranks
@@ -233,39 +223,31 @@ class ParamGroup:
         """The dtype ``p`` is all-gathered and computes in."""
         if full_precision or not p.orig_dtype.is_floating_point:
             return p.orig_dtype
-        return self.mp.param_dtype or p.orig_dtype
-
-    @property
-    def single_dtype_flat(self) -> bool:
-        """Whether one all-gather of the flat buffer in one dtype serves the
-        group (no extensions, one gather dtype): the fast path."""
-        return self.flat_sharded is not None and not any(p.has_extensions for p in self.params)
+        return self.settings.mp.param_dtype or p.orig_dtype
 
     def check_trainable_dtypes(self) -> None:
         """Refuse trainable parameters of several dtypes without ``param_dtype``,
         as at ``fully_shard``: run again at the root's first forward (where
         PyTorch checks), since ``requires_grad`` may have changed in between."""
-        check_trainable_dtypes([(p.orig_dtype, p.fqn) for p in self.params if p.requires_grad], self.mp)
-
-    def reduce_dtype_for(self, grad: torch.Tensor) -> torch.dtype:
-        return self.mp.reduce_dtype or grad.dtype
+        check_trainable_dtypes([(p.orig_dtype, p.fqn) for p in self.params if p.requires_grad], self.settings.mp)
 
     # ---- sharded storage ------------------------------------------------------
     def _init_storage(self, sources: list[torch.Tensor]) -> None:
         """Lay every shard out in one flat buffer when dtypes agree (so the
         all-gather input needs no copy-in), else one buffer per parameter (of
-        the source's own tensor type, so all-gather extensions keep theirs)."""
+        the source's own tensor type, so all-gather extensions keep theirs);
+        then plan the group's collectives."""
         dtypes = {src.dtype for src in sources}
         device = self.storage_device
         if any(src.device.type == "meta" for src in sources):
             device = torch.device("meta")
-        total = sum(p.layout.padded_numel for p in self.params)
         plain = all(type(src) in (torch.Tensor, nn.Parameter) for src in sources)
+        flat_layout = FlatLayout.of([p.layout for p in self.params])
         if len(dtypes) == 1 and plain:
             pin = self.pin_memory and device.type == "cpu"
-            flat = torch.empty(total, dtype=dtypes.pop(), device=device, pin_memory=pin)
+            flat = torch.empty(flat_layout.total, dtype=dtypes.pop(), device=device, pin_memory=pin)
             self.flat_sharded = flat
-            offs = coll.offsets([p.layout for p in self.params])
+            offs = flat_layout.offsets
             views = [flat[a:b].view(p.layout.padded_shape) for p, a, b in zip(self.params, offs, offs[1:])]
         else:
             self.flat_sharded = None
@@ -274,6 +256,8 @@ class ParamGroup:
         for p, view, src in zip(self.params, views, sources):
             p.orig_dtype = src.dtype
             p.adopt_storage(view, src)
+        self.plan = GroupPlan(self.params, self.flat_sharded is not None)
+        self._unsharded_flat = None  # planned anew at the next unshard
 
     def reset_sharded_params(self) -> None:
         """Re-adopt parameters that ``to_empty`` / ``_apply`` / assign-loading
@@ -301,26 +285,25 @@ class ParamGroup:
         ``full_precision`` gathers every parameter in its own dtype (summon)."""
         if self._in_flight is None and not self.is_unsharded:
             self._wait_post_optim_event()
-            post_forward = self.sharded_state == ShardedState.SHARDED_POST_FORWARD
+            comm = self.settings.all_gather_comm
             with record_function(f"shardwise::all_gather ({self.name})"):
-                if post_forward:
-                    if self.subgroup is None or self._post_forward_data is None:
+                if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+                    data, flat = self._post_forward_data, self.post_forward_flat
+                    if self.subgroup is None or data is None or flat is None:
                         raise AssertionError(f"rank {dist.get_rank()}: {self.name} lost its post-forward shards")
-                    layouts = [p.post_forward_layout for p in self.params]
                     self._in_flight = coll.start_all_gather(
-                        self.all_gather_comm, [], self._post_forward_data, layouts,  # type: ignore[arg-type]
-                        self.subgroup.group, self._post_forward_data.dtype, self.device, self.name, True,
+                        comm, data, flat, self.subgroup.group, data.dtype, self.device, self.name, True, self.ctx.pool
+                    )
+                elif self.plan.fast and self.flat_sharded is not None:
+                    dtype = self.gather_dtype(self.params[0], full_precision)
+                    self._in_flight = coll.start_all_gather(
+                        comm, self.flat_sharded, self.plan.flat, self.info.shard_group, dtype, self.device,
+                        self.name, False, self.ctx.pool,
                     )
                 else:
-                    dtypes = [self.gather_dtype(p, full_precision) for p in self.params]
-                    if self.single_dtype_flat and len(set(dtypes)) == 1:
-                        self._in_flight = coll.start_all_gather(
-                            self.all_gather_comm, [p.sharded_data for p in self.params], self.flat_sharded,
-                            [p.layout for p in self.params], self.info.shard_group, dtypes[0], self.device,
-                            self.name, False,
-                        )
-                    else:
-                        self._in_flight = self._start_packed_all_gather(dtypes)
+                    self._in_flight = self._start_packed_all_gather(
+                        [self.gather_dtype(p, full_precision) for p in self.params]
+                    )
         if not async_op:
             self.wait_for_unshard()
 
@@ -331,11 +314,12 @@ class ParamGroup:
         self._packed_dtypes = dtypes
         for p, dtype in zip(self.params, dtypes):
             if p.has_extensions:
-                inputs.extend(p.extension_inputs(p.owners[0][0], self.mp, self.device))
+                inputs.extend(p.extension_inputs(p.owners[0][0], self.settings.mp, self.device))
             else:
                 inputs.append(p.sharded_data.reshape(-1).to(device=self.device, dtype=dtype, non_blocking=True))
         return coll.start_packed_all_gather(
-            self.all_gather_comm, inputs, self.info.shard_size, self.info.shard_group, self.device, self.name
+            self.settings.all_gather_comm, inputs, self.info.shard_size, self.info.shard_group, self.device,
+            self.name,
         )
 
     def _finish_packed_all_gather(self, result: coll.PackedGatherResult) -> None:
@@ -354,6 +338,28 @@ class ParamGroup:
                 full = p.ensure_unsharded(dtype, self.device)
                 p.layout.gather_into(full, next(views).view(num, *p.layout.padded_shape))
 
+    def _unsharded_fast(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The fast path's unsharded parameters, in one buffer: allocated in one
+        go (created the first time, and anew if the dtype or device changed),
+        returned as the plain tensors to gather into."""
+        buf = self._unsharded_flat
+        if buf is not None and buf.dtype == dtype and buf.device == self.device:
+            alloc_storage(buf)
+            for p in self.params:
+                up = p.unsharded_param
+                if up is not None and up.requires_grad != p.requires_grad:
+                    up.requires_grad_(p.requires_grad)
+            return self._unsharded_locals
+        offsets, total = self.plan.unsharded_offsets(dtype.itemsize)
+        with torch.inference_mode(False):  # reused by later training steps
+            buf = torch.empty(total, dtype=dtype, device=self.device)
+        storage = buf.untyped_storage()
+        self._unsharded_locals = [
+            p.ensure_unsharded(dtype, self.device, storage, off) for p, off in zip(self.params, offsets)
+        ]
+        self._unsharded_flat = buf
+        return self._unsharded_locals
+
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather: copy out, register unsharded params."""
         result = self._in_flight
@@ -365,12 +371,24 @@ class ParamGroup:
                 self._finish_packed_all_gather(result)
             else:
                 dtype = result.output.dtype
-                fulls = [p.ensure_unsharded(dtype, self.device) for p in self.params]
-                coll.finish_all_gather(result, fulls, self.name)
+                if self.plan.fast:
+                    fulls = self._unsharded_fast(dtype)
+                else:
+                    fulls = [p.ensure_unsharded(dtype, self.device) for p in self.params]
+                coll.finish_all_gather(result, fulls, self.name, self.ctx.pool)
         self._post_forward_data = None
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
             p.register_unsharded()
+
+    def _free_unsharded(self) -> None:
+        if self.plan.fast and self._unsharded_flat is not None:
+            free_storage(self._unsharded_flat)
+        else:
+            for p in self.params:
+                p.free_unsharded()
+        for p in self.params:
+            p.register_sharded()
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones (idempotent)."""
@@ -378,9 +396,7 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.sharded_state == ShardedState.SHARDED:
             return
-        for p in self.params:
-            p.free_unsharded()
-            p.register_sharded()
+        self._free_unsharded()
         self._post_forward_data = None
         self.sharded_state = ShardedState.SHARDED
         self._prefetched = False
@@ -388,8 +404,6 @@ class ParamGroup:
     def summon(self) -> None:
         """Unshard in the original (full-precision) dtype, outside forward/backward."""
         if self.training_state != TrainingState.IDLE:
-            from shardwise.errors import ConfigError
-
             raise ConfigError(
                 f"cannot summon full parameters of {self.name} during its forward or backward "
                 f"(state {self.training_state.name}); call it outside the training step."
@@ -425,22 +439,21 @@ class ParamGroup:
     @torch.no_grad()
     def _reshard_post_forward(self) -> None:
         """Keep only this rank's chunk over the post-forward subgroup."""
-        if self.subgroup is None or not self.is_unsharded or not self.single_dtype_flat:
+        flat = self.post_forward_flat
+        if flat is None or not self.is_unsharded or not self.plan.fast:
             # Several dtypes or extensions: a full reshard (re-gathered over the
             # whole shard group in backward), as PyTorch has no post-forward path for them.
             self.reshard()
             return
-        layouts: list[ShardLayout] = [p.post_forward_layout for p in self.params]  # type: ignore[misc]
-        offs = coll.offsets(layouts)
-        data = torch.empty(offs[-1], dtype=self.params[0].unsharded_local().dtype, device=self.device)
-        for p, layout, a, b in zip(self.params, layouts, offs, offs[1:]):
+        data = torch.empty(flat.total, dtype=self.params[0].unsharded_local().dtype, device=self.device)
+        offs = flat.offsets
+        for p, layout, a, b in zip(self.params, flat.layouts, offs, offs[1:]):
             view = data[a:b].view(layout.padded_shape)
             rows = layout.local_rows
             if rows:
                 view.narrow(layout.dim, 0, rows).copy_(layout.local_chunk(p.unsharded_local()))
             view.narrow(layout.dim, rows, layout.chunk - rows).zero_()
-            p.free_unsharded()
-            p.register_sharded()
+        self._free_unsharded()
         self._post_forward_data = data
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
@@ -458,6 +471,12 @@ class ParamGroup:
             with record_function(f"shardwise::prefetch ({self.name})"):
                 self.unshard(async_op=True)
 
+    def drop_unused_prefetch(self) -> None:
+        """At the root's post-forward: reshard if prefetched for a forward that
+        did not come."""
+        if self._prefetched and self.training_state == TrainingState.IDLE:
+            self.reshard()
+
     # ---- forward --------------------------------------------------------------
     def pre_forward(self) -> None:
         self.training_state = TrainingState.FORWARD
@@ -465,7 +484,7 @@ class ParamGroup:
         if self.ctx.forward_order is None:
             self.ctx.recording.append(self)
         self.unshard(async_op=True)
-        targets = self.forward_prefetch
+        targets = self.settings.forward_prefetch
         if targets is None:
             nxt = self.ctx.next_in_forward(self)
             targets = [nxt] if nxt is not None else []
@@ -491,9 +510,10 @@ class ParamGroup:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         self._prefetched = False
-        if self.unshard_in_backward:
+        unshard = self.settings.unshard_in_backward
+        if unshard:
             self.unshard(async_op=True)
-        targets = self.backward_prefetch
+        targets = self.settings.backward_prefetch
         if targets is None:
             targets = []
             if self.post_forward_indices:
@@ -501,21 +521,24 @@ class ParamGroup:
                 if i > 0:
                     targets = [self.ctx.post_forward_order[i - 1]]
         self._backward_targets = targets
-        if not self.prefetch_in_post_backward:
+        if not self.settings.prefetch_in_post_backward:
             self._prefetch_backward()
-        if self.unshard_in_backward:
+        if unshard:
             self.wait_for_unshard()
 
     def _prefetch_backward(self) -> None:
         targets, self._backward_targets = self._backward_targets, []
         for target in targets:
             done = target.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-            if target.unshard_in_backward and not done:
+            if target.settings.unshard_in_backward and not done:
                 target.prefetch()
 
     def post_backward(self) -> None:
         """Reduce-scatter the gradients computed so far, then reshard."""
         self.training_state = TrainingState.POST_BACKWARD
+        settings = self.settings
+        sync = settings.requires_grad_sync
+        rd = settings.mp.reduce_dtype
         with record_function(f"shardwise::post_backward ({self.name})"):
             params, grads = [], []
             for p in self.params:
@@ -525,8 +548,7 @@ class ParamGroup:
                 grad = up.grad
                 if grad is not None:
                     grad = p.grad_local(grad)
-                if not self.requires_grad_sync:
-                    rd = self.mp.reduce_dtype
+                if not sync:
                     if grad is not None and rd is not None and grad.dtype != rd:
                         acc = p.unsharded_accumulated_grad
                         p.unsharded_accumulated_grad = grad.to(rd) if acc is None else acc.add_(grad)
@@ -536,7 +558,7 @@ class ParamGroup:
                 if acc is not None:
                     grad = acc if grad is None else acc.add_(grad)
                     p.unsharded_accumulated_grad = None
-                if grad is None and self.reduce_scatter_unused_params:
+                if grad is None and settings.reduce_scatter_unused_params:
                     grad = torch.zeros(p.full_shape, dtype=up.dtype, device=self.device)
                 if grad is None:
                     continue
@@ -545,51 +567,52 @@ class ParamGroup:
                 grads.append(grad)
             # Free this group's parameters and issue the next gather (in
             # BACKWARD_POST mode) before reducing: the gradients are separate tensors.
-            if self.reshard_after_backward:
+            if settings.reshard_after_backward:
                 self.reshard()
             self._prefetch_backward()
             if grads:
-                self.ctx.drain(keep=self.max_pending_reductions)
+                self.ctx.drain(keep=self.ctx.max_pending)
                 self.ctx.pending.append(self._start_reduction(params, grads))
 
     def _divide_factors(self, dtype: torch.dtype) -> tuple[float, float]:
-        factor = float(self.gradient_divide_factor or self.info.dp_size)
-        if dtype.itemsize >= 4 or factor <= 1:
-            return 1.0, factor
-        # Low precision: split the division around the sum against overflow/underflow.
-        pre = 2.0 ** round(math.log2(math.sqrt(factor)))
-        return pre, factor / pre
+        factor = float(self.settings.gradient_divide_factor or self.info.dp_size)
+        return self.plan.divide_factors(dtype, factor)
 
     def _start_reduction(self, params: list[ShardedParam], grads: list[torch.Tensor]) -> PendingReduction:
-        dtype = self.reduce_dtype_for(grads[0])
+        dtype = self.settings.mp.reduce_dtype or grads[0].dtype
         pre, _ = self._divide_factors(dtype)
+        flat = self.plan.flat if len(params) == len(self.params) else FlatLayout.of([p.layout for p in params])
         with record_function(f"shardwise::reduce_scatter ({self.name})"):
             result = coll.start_reduce_scatter(
-                self.reduce_scatter_comm, grads, [p.layout for p in params],
-                self._reduce_scatter_group or self.info.shard_group, dtype, self.device, pre, self.name,
+                self.settings.reduce_scatter_comm, grads, flat, self._reduce_scatter_group or self.info.shard_group,
+                dtype, self.device, pre, self.name, self.ctx.pool,
             )
         return PendingReduction(self, params, result)
 
     def advance_reduction(self, pr: PendingReduction) -> bool:
         """Move ``pr`` one stage on; True when its gradients are installed."""
+        settings = self.settings
         out = pr.result.output
         if pr.all_reduce_work is not None:
             pr.all_reduce_work.wait()
         else:
             if pr.result.work is not None:
                 coll._guard(self.name, "ReduceScatter work", pr.result.work.wait)
+            if pr.result.pooled:
+                self.ctx.pool.give(*pr.result.pooled)
             if self.info.replicate_group is not None:
                 if self._partial is not None:
                     if [id(p) for p in self._partial[0]] != [id(p) for p in pr.params]:
                         raise AssertionError(f"{self.name}: partial reduction over other parameters")
                     out.add_(self._partial[1])
                     self._partial = None
-                if not self.requires_all_reduce:
+                if not settings.requires_all_reduce:
                     self._partial = (pr.params, out)
                     return True
                 group = self.info.replicate_group
-                if self.replicate_all_reduce is not None:
-                    work = coll._guard(self.name, "all-reduce hook", lambda: self.replicate_all_reduce(out, group))  # type: ignore[misc]
+                hook = settings.replicate_all_reduce
+                if hook is not None:
+                    work = coll._guard(self.name, "all-reduce hook", lambda: hook(out, group))
                 else:
                     work = dist.all_reduce(out, group=group, async_op=True)
                 if work is not None:
@@ -598,15 +621,15 @@ class ParamGroup:
         _, post = self._divide_factors(out.dtype)
         if post != 1.0:
             out.div_(post)
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(out)
+        if settings.all_reduce_hook is not None:
+            settings.all_reduce_hook(out)
         # Our own buffers are fresh per call, so gradients may be views of them.
-        alias = coll.is_default(self.reduce_scatter_comm)
-        grad_dtype = self.mp.param_dtype if self.keep_low_precision_grads else None
+        alias = coll.is_default(settings.reduce_scatter_comm)
+        grad_dtype = settings.mp.param_dtype if settings.keep_low_precision_grads else None
         host = self._offload_copy(out, pr.params, grad_dtype)
         if host is not None:
             out, alias = host, True
-        offs = pr.result.offsets
+        offs = pr.result.flat.offsets
         for p, a, b in zip(pr.params, offs, offs[1:]):
             shard = out[a:b].view(p.layout.padded_shape).narrow(p.shard_dim, 0, p.layout.local_rows)
             if host is not None and p.sharded_param.grad is not None:
@@ -649,20 +672,31 @@ class ParamGroup:
                 for p in self.params
             )
             if self.training_state == TrainingState.PRE_BACKWARD or (
-                has_grads and self.requires_grad_sync
+                has_grads and self.settings.requires_grad_sync
             ):
                 self.post_backward()
         if self._in_flight is not None:
             self.wait_for_unshard()
             if self._prefetched:
                 self.reshard()
-        if self.reshard_after_backward and self.sharded_state != ShardedState.SHARDED:
+        if self.settings.reshard_after_backward and self.sharded_state != ShardedState.SHARDED:
             self.reshard()
+        self.reset_step()
+
+    def reset_step(self) -> None:
+        """Back to idle between steps: what one iteration's hooks recorded."""
         self.training_state = TrainingState.IDLE
         self.post_forward_indices.clear()
+        self._backward_targets = []
         self._prefetched = False
 
-    def free_accumulated_grads(self) -> None:
+    def abort_step(self) -> None:
+        """After an exception mid-step: finish the gather in flight, reshard,
+        drop the step's state and the gradients it accumulated unsharded."""
+        if self._in_flight is not None:
+            self.wait_for_unshard()
+        self.reshard()
+        self.reset_step()
         for p in self.params:
             p.unsharded_accumulated_grad = None
             if p.unsharded_param is not None:
@@ -677,10 +711,22 @@ def _same_version(t: torch.Tensor) -> AbstractContextManager[Any]:
 
 
 def unsharded_bytes(group: ParamGroup) -> int:
-    """Bytes held by this group's unsharded parameters right now."""
-    return sum(
-        p.unsharded_param.untyped_storage().size() for p in group.params if p.unsharded_param is not None
-    )
+    """Bytes held by this group's unsharded parameters right now (a buffer
+    they share counted once)."""
+    storages = {}
+    for p in group.params:
+        if p.unsharded_param is not None:
+            storage = p.unsharded_param.untyped_storage()
+            storages[storage.data_ptr() or id(p)] = storage.size()
+    return sum(storages.values())
 
 
-__all__ = ["ParamGroup", "TrainingState", "IterationContext", "PendingReduction", "free_storage", "unsharded_bytes"]
+__all__ = [
+    "ParamGroup",
+    "TrainingState",
+    "IterationContext",
+    "PendingReduction",
+    "check_trainable_dtypes",
+    "free_storage",
+    "unsharded_bytes",
+]

@@ -198,19 +198,19 @@ class ShardedParam:
                 f"parameter {fqn!r} ({type(local_param).__name__}) defines only one of "
                 "fsdp_pre_all_gather / fsdp_post_all_gather; all-gather extensions need both."
             )
-        # Filled by ParamGroup.init_flat_storage / reset.
+        # Filled by ParamGroup._init_storage (and again when shards are replaced).
         self.sharded_data: torch.Tensor = torch.empty(0)
         self.sharded_param: nn.Parameter = param
-        # The first source of this rank's shard (the TP-local tensor for DTensors).
-        self.initial_source: torch.Tensor | None = local_param
         # Only for building the first DTensor; never keep the full tensor alive.
         self._initial_requires_grad = param.requires_grad
         # Lazily created at first unshard, in the all-gather dtype.
         self.unsharded_param: nn.Parameter | None = None
+        # Whether the unsharded parameter views its group's shared buffer.
+        self._in_group_buffer = False
+        # Grad DTensor specs by dtype (built once: gradients are installed every step).
+        self._grad_specs: dict[torch.dtype, DTensorSpec] = {}
         # Gradients accumulated while sync is off, kept in the reduce dtype.
         self.unsharded_accumulated_grad: torch.Tensor | None = None
-        # Post-forward shard (reshard_after_forward=int): view into the group's buffer.
-        self.post_forward_layout: ShardLayout | None = None
         # All-gather extensions: per-parameter gathered buffers (reused: the
         # unsharded parameter may alias them), the post-hook's inner tensors
         # (freed at reshard) and this gather's metadata and input shapes.
@@ -251,8 +251,13 @@ class ShardedParam:
         self.register_sharded()
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap this rank's (unpadded) chunk as a DTensor of the global shape."""
-        return make_dtensor(local, self.spmd_mesh, self.spmd_placements, self.global_shape)
+        """Wrap this rank's (unpadded) chunk as a DTensor of the global shape
+        (its spec built once per dtype)."""
+        spec = self._grad_specs.get(local.dtype)
+        if spec is None:
+            spec = make_dtensor(local, self.spmd_mesh, self.spmd_placements, self.global_shape)._spec
+            self._grad_specs[local.dtype] = spec
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
     def local_is_adopted(self) -> bool:
         """Whether the registered DTensor still views ``sharded_data`` (false after
@@ -306,19 +311,36 @@ class ShardedParam:
             raise AssertionError(f"{self.fqn}: unsharded parameter was never created")
         return local_of(p).data if isinstance(p, DTensor) else p.data
 
-    def ensure_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def ensure_unsharded(
+        self,
+        dtype: torch.dtype,
+        device: torch.device,
+        storage: torch.UntypedStorage | None = None,
+        offset: int = 0,
+    ) -> torch.Tensor:
         """Allocate the unsharded parameter's storage and return the plain tensor
-        to gather into (contents undefined)."""
+        to gather into (contents undefined). With ``storage`` (the group's one
+        buffer), create the parameter anew over it at element ``offset``: a
+        tensor of its own (own autograd version counter) sharing the storage."""
         p = self.unsharded_param
-        if p is None or p.dtype != dtype or p.device != device or p.is_inference():
+        if (
+            storage is not None or self._in_group_buffer or p is None or p.dtype != dtype
+            or p.device != device or p.is_inference()
+        ):
             # Never an inference tensor, even when first gathered under
             # torch.inference_mode(): it is reused by later training steps.
             with torch.inference_mode(False):
-                t = torch.empty(self.full_shape, dtype=dtype, device=device)
+                if storage is None:
+                    t = torch.empty(self.full_shape, dtype=dtype, device=device)
+                else:
+                    t = torch.empty(0, dtype=dtype, device=device).set_(
+                        storage, offset, self.full_shape, _contiguous_stride(self.full_shape)
+                    )
                 if self.tp_spec is not None:
                     t = make_dtensor(t, self.tp_spec.mesh, self.tp_spec.placements, self.global_shape)
                 p = nn.Parameter(t, requires_grad=self.requires_grad)
             self.unsharded_param = p
+            self._in_group_buffer = storage is not None
         else:
             alloc_storage(self.unsharded_local())
             if p.requires_grad != self.requires_grad:

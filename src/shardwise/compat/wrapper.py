@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardwise._engine.module_state import state_of, states_under
 from shardwise._engine.param_group import ParamGroup, TrainingState, check_trainable_dtypes
+from shardwise._engine.setup import shard_modules
 from shardwise._engine.trees import cast_floats
 from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
-from shardwise.fully_shard import fully_shard
 from shardwise.fully_shard import summon_full_params as engine_summon
 from shardwise.policies import CPUOffloadPolicy, OffloadPolicy
 from shardwise.wrap import check_not_sharded, check_policy, plan_wrapping, post_order
@@ -245,7 +245,6 @@ class FullyShardedDataParallel(nn.Module):
             broadcast_module_states(module, ignored, plan.mesh)
 
         offload = cpu_offload is not None and cpu_offload.offload_params
-        user_class = type(module)
         # As PyTorch's wrapper (at construction, unlike fully_shard's first
         # forward): this unit's own trainable parameters share one dtype.
         check_trainable_dtypes(
@@ -255,18 +254,17 @@ class FullyShardedDataParallel(nn.Module):
             ],
             to_mp_policy(mixed_precision),
         )
-        fully_shard(
-            module,
+        # The engine's one way in, as fully_shard's; the wrapped module keeps
+        # the user's class (type(), repr), as with PyTorch's wrapper.
+        shard_modules(
+            (module,),
             mesh=plan.mesh,
             reshard_after_forward=plan.reshard_after_forward,
+            shard_placement_fn=None,
             mp_policy=to_mp_policy(mixed_precision),
             offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
             ignored_params=ignored.params,
         )
-        # As with PyTorch's wrapper, the wrapped module keeps the user's class
-        # (type(), repr); what fully_shard's class swap adds around _apply (reshard
-        # first, re-adopt the shards after) this wrapper's _apply does.
-        module.__class__ = user_class
         self._fsdp_wrapped_module = module
         self._plan: StrategyPlan = plan
         self._ignored = ignored
@@ -349,15 +347,16 @@ class FullyShardedDataParallel(nn.Module):
         group = self._group
         if group is None:
             return
+        settings = group.settings
         # [Note: prefetch order] in the engine: None is the implicit order, [] none.
-        group.forward_prefetch = None if self._forward_prefetch else []
+        settings.forward_prefetch = None if self._forward_prefetch else []
         if self._backward_prefetch is None:
-            group.backward_prefetch = []
+            settings.backward_prefetch = []
         else:
-            group.backward_prefetch = None
-            group.prefetch_in_post_backward = self._backward_prefetch == BackwardPrefetch.BACKWARD_POST
+            settings.backward_prefetch = None
+            settings.prefetch_in_post_backward = self._backward_prefetch == BackwardPrefetch.BACKWARD_POST
         mp = self._mixed_precision
-        group.keep_low_precision_grads = bool(mp is not None and mp.keep_low_precision_grads)
+        settings.keep_low_precision_grads = bool(mp is not None and mp.keep_low_precision_grads)
 
     # ---- plain accessors ---------------------------------------------------------------
     @property
@@ -530,16 +529,17 @@ class FullyShardedDataParallel(nn.Module):
             group = w._group
             if group is None:
                 continue
-            saved.append((group, group.requires_grad_sync, group.reshard_after_backward))
-            group.requires_grad_sync = False
+            settings = group.settings
+            saved.append((settings, settings.requires_grad_sync, settings.reshard_after_backward))
+            settings.requires_grad_sync = False
             if w._plan.keep_params_in_no_sync:
-                group.reshard_after_backward = False
+                settings.reshard_after_backward = False
         try:
             yield
         finally:
-            for group, sync, reshard in saved:
-                group.requires_grad_sync = sync
-                group.reshard_after_backward = reshard
+            for settings, sync, reshard in saved:
+                settings.requires_grad_sync = sync
+                settings.reshard_after_backward = reshard
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -631,10 +631,10 @@ class FullyShardedDataParallel(nn.Module):
                 if w._plan.strategy == ShardingStrategy.NO_SHARD:
                     # hook(state, grad): the all-reduce across replicas (the
                     # reduce-scatter runs over a group of one: a copy)
-                    group.replicate_all_reduce = CommHookAllReduce(hook, state)
+                    group.settings.replicate_all_reduce = CommHookAllReduce(hook, state)
                 else:
-                    group.reduce_scatter_comm = CommHookReduceScatter(hook, state)
-                group.gradient_divide_factor = 1.0  # the hook averages
+                    group.settings.reduce_scatter_comm = CommHookReduceScatter(hook, state)
+                group.settings.gradient_divide_factor = 1.0  # the hook averages
 
     # ---- summon_full_params ------------------------------------------------------------
     @staticmethod

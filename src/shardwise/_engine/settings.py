@@ -1,0 +1,57 @@
+"""What a front end may set on a group: the one place both APIs write.
+
+``fully_shard``'s ``FSDPModule`` setters and the wrapper's constructor
+options, ``no_sync`` and communication hooks all translate into these fields;
+the engine only reads them. Nothing here is recomputed per step (that is the
+group's plan) or changes during a step (its runtime state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter, WorkHandle
+from shardwise.policies import MixedPrecisionPolicy
+
+
+@dataclass
+class GroupSettings:
+    """Per-group options (defaults: PyTorch's ``fully_shard``)."""
+
+    mp: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    # Reduce gradients in backward (off: accumulate unsharded, no communication).
+    requires_grad_sync: bool = True
+    # HSDP: all-reduce across replicas after the reduce-scatter.
+    requires_all_reduce: bool = True
+    reshard_after_backward: bool = True
+    # Whether backward needs this group's parameters at all.
+    unshard_in_backward: bool = True
+    # Divide reduced gradients by this instead of the data-parallel size.
+    gradient_divide_factor: float | None = None
+    # Called on the reduced gradient buffer before gradients are installed.
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    # Replaces the replicate all-reduce (HSDP / NO_SHARD), e.g. a comm hook;
+    # returns a work handle, or None once the reduction is done.
+    replicate_all_reduce: Callable[[torch.Tensor, dist.ProcessGroup], WorkHandle | None] | None = None
+    # The ParamGroups to prefetch ([Note: prefetch order]): None is the
+    # implicit order, [] none. (Typed Any: the group type imports this module.)
+    forward_prefetch: list[Any] | None = None
+    backward_prefetch: list[Any] | None = None
+    # Issue the backward prefetch in post-backward (after this group's gradient
+    # computation and reshard, before its reduce-scatter: FSDP1's BACKWARD_POST)
+    # instead of in pre-backward (BACKWARD_PRE): less memory, later overlap.
+    prefetch_in_post_backward: bool = False
+    # Install reduced gradients in param_dtype (FSDP1's keep_low_precision_grads).
+    keep_low_precision_grads: bool = False
+    # Reduce zeros for trainable parameters without a gradient this backward.
+    reduce_scatter_unused_params: bool = False
+    all_gather_comm: AllGather = field(default_factory=DefaultAllGather)
+    reduce_scatter_comm: ReduceScatter = field(default_factory=DefaultReduceScatter)
+
+
+__all__ = ["GroupSettings"]

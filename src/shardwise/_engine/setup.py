@@ -1,0 +1,264 @@
+"""Setting the engine up on modules: the one way in for both fronts.
+
+``fully_shard`` (which then swaps the module's class) and the wrapper's
+constructor (which keeps the user's class and registers the module under
+itself) both call :func:`shard_modules`: collect and validate the
+parameters the call manages, build their sharded form and the group that
+gathers and reduces them, move buffers to the compute device and attach the
+hooks (``ModuleState``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
+
+from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError
+from shardwise.mesh import MeshInfo, mesh_info, resolve_reshard_after_forward
+from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from .module_state import ModuleState, state_of
+from .param_group import ParamGroup
+from .settings import GroupSettings
+from .sharded_param import ShardedParam
+
+__all__ = ["shard_modules"]
+
+# original parameter -> description of the group that manages it, to refuse a
+# parameter shared by two groups.
+_OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def shard_modules(
+    modules: tuple[nn.Module, ...],
+    *,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: Any,
+    dp_mesh_dims: Any = None,
+) -> ModuleState:
+    """Shard the parameters of ``modules`` (one ``fully_shard`` call) that no
+    nested call owns; return the state whose hooks drive them. Arguments are
+    ``fully_shard``'s, their types already checked; ``reshard_after_forward``
+    None is the automatic choice (True, except for the root)."""
+    info = mesh_info(mesh, dp_mesh_dims)
+    auto = reshard_after_forward is None
+    if info.spmd_mesh is not None and isinstance(reshard_after_forward, int) and not isinstance(
+        reshard_after_forward, bool
+    ):
+        raise UnsupportedError(
+            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims); "
+            "pass True or False."
+        )
+    raf = resolve_reshard_after_forward(True if reshard_after_forward is None else reshard_after_forward, info)
+    ignored = _check_ignored(ignored_params, modules)
+    conflicts: list[str] = []
+    collected = _collect_params(modules, ignored, conflicts, None if info.spmd_mesh is not None else info.mesh)
+    # Trainable dtypes are checked at the first forward, as PyTorch does
+    # (requires_grad may still change until then).
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    storage_device = torch.device("cpu") if offload else info.device
+    params, sources = _make_sharded_params(collected, info, shard_placement_fn, storage_device)
+    _move_buffers(modules, info.device)
+
+    group = None
+    desc = f"{type(modules[0]).__name__}"
+    if params:
+        # Pinned host shards let the host-to-device copy overlap compute (CUDA only).
+        pin = offload and offload_policy.pin_memory and torch.cuda.is_available()  # type: ignore[attr-defined]
+        settings = GroupSettings(mp=mp_policy)
+        group = ParamGroup(params, sources, info, info.device, settings, raf, storage_device, desc, pin)
+    del sources  # never keep the full tensors alive
+    for orig, *_ in collected:
+        _OWNED[orig] = desc
+    for managed in _managed_modules(modules):
+        # What PyTorch sets on every module it manages (dynamo and tools read them).
+        managed._is_fsdp_managed_module = True  # type: ignore[assignment]
+        managed._fsdp_use_orig_params = True  # type: ignore[assignment]
+    state = ModuleState(modules, group, mp_policy, auto, info.device)
+    if conflicts:
+        state.deferred_error = conflicts[0]
+    return state
+
+
+def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
+    """``modules`` and their submodules not under a nested fully_shard."""
+    out: list[nn.Module] = []
+    stack = list(modules)
+    seen: set[int] = set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        stack.extend(c for c in m.children() if state_of(c) is None)
+    return out
+
+
+def _check_ignored(ignored_params: Any, modules: tuple[nn.Module, ...]) -> set[int]:
+    if ignored_params is None:
+        return set()
+    try:
+        items = list(ignored_params)
+    except TypeError:
+        raise ConfigTypeError(
+            f"ignored_params must be a set of nn.Parameters, got {type(ignored_params).__name__}."
+        ) from None
+    for p in items:
+        if not isinstance(p, torch.Tensor):
+            raise ConfigTypeError(f"ignored_params must hold nn.Parameters, got {type(p).__name__}.")
+    # A Parameter of another module is allowed (PyTorch's fully_shard takes one
+    # set for a whole model, and the wrapper passes its root's to every unit);
+    # a tensor that is no parameter anywhere would be ignored silently.
+    plain = [p for p in items if not isinstance(p, nn.Parameter)]
+    if plain:
+        registered = {id(t) for m in modules for sub in m.modules() for t in sub._parameters.values()}
+        for p in plain:
+            if id(p) not in registered:
+                raise ConfigError(
+                    f"ignored_params holds a tensor of shape {tuple(p.shape)} ({p.dtype}) that is not a "
+                    "parameter of the module: a plain tensor (param.data, param.detach(), a state_dict() "
+                    "value, a copy) never matches a parameter, so that parameter would be sharded anyway. "
+                    "Pass the nn.Parameter objects the module registers, e.g. "
+                    "ignored_params=set(module.head.parameters())."
+                )
+    return {id(p) for p in items}
+
+
+Collected = tuple[nn.Parameter, list[tuple[nn.Module, str]], str]
+
+
+def _on_data_parallel_mesh(p: DTensor, dp_mesh: DeviceMesh | None) -> bool:
+    """Whether a DTensor parameter already uses the data-parallel mesh (sharded
+    by fully_shard applied top-down) rather than a tensor-parallel one. With
+    ``dp_mesh_dims`` (``dp_mesh`` None) parameters live on the whole mesh."""
+    if dp_mesh is None:
+        return False
+    mesh = p.device_mesh
+    if mesh == dp_mesh:
+        return True
+    names, dp_names = mesh.mesh_dim_names, dp_mesh.mesh_dim_names
+    return names is None or dp_names is None or bool(set(names) & set(dp_names))
+
+
+def _collect_params(
+    modules: tuple[nn.Module, ...], ignored: set[int], conflicts: list[str], dp_mesh: DeviceMesh | None = None
+) -> list[Collected]:
+    """Parameters of ``modules`` not owned by a nested fully_shard, with every
+    place each is registered; validated before anything is changed. Parameters
+    that another group already manages are described in ``conflicts``."""
+    found: dict[int, Collected] = {}
+    seen_modules: set[int] = set()
+
+    def visit(mod: nn.Module, prefix: str, top: bool) -> None:
+        if id(mod) in seen_modules:
+            return
+        seen_modules.add(id(mod))
+        if not top and state_of(mod) is not None:
+            return  # owned by a nested fully_shard
+        for name, p in mod._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            fqn = prefix + name
+            if id(p) in found:
+                found[id(p)][1].append((mod, name))
+                continue
+            if isinstance(p, DTensor) and _on_data_parallel_mesh(p, dp_mesh):
+                raise ConfigError(
+                    f"parameter {fqn!r} is already a DTensor on {p.device_mesh} "
+                    f"{tuple(p.placements)}, which shares mesh dims with fully_shard's mesh "
+                    f"{dp_mesh}. If it is already sharded: apply fully_shard bottom-up (inner "
+                    "modules first, then their parents), once per module. If it is tensor "
+                    "parallel: pass fully_shard only the data-parallel dims of the same mesh "
+                    "(TP on mesh['tp'] -> mesh=mesh['dp']), or the whole mesh with dp_mesh_dims."
+                )
+            owner = _OWNED.get(p)  # type: ignore[no-untyped-call]
+            if owner is not None:
+                # Left unmanaged here; reported at the first forward, as PyTorch does.
+                conflicts.append(
+                    f"parameter {fqn!r} is shared with another fully_shard group ({owner}); a "
+                    "parameter must belong to one group. Put all modules that use it in one "
+                    "group: fully_shard([module_a, module_b]), or shard only their common parent."
+                )
+                continue
+            if p.ndim == 0:
+                raise ConfigError(
+                    f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor "
+                    "with numel equal to 1."
+                )
+            found[id(p)] = (p, [(mod, name)], fqn)
+        for cname, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{cname}.", False)
+
+    for i, m in enumerate(modules):
+        visit(m, f"[{i}]." if len(modules) > 1 else "", True)
+    collected = list(found.values())
+    devices = {p.device for p, _, _ in collected}
+    if len(devices) > 1:
+        where = ", ".join(f"{fqn} on {p.device}" for p, _, fqn in collected[:6])
+        raise ConfigError(
+            f"fully_shard needs all of a module's parameters on one device, found {sorted(map(str, devices))} "
+            f"({where}, ...). Move the module first, e.g. module.to(device), or build it on the meta device."
+        )
+    return collected
+
+
+def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
+    """Buffers are never sharded; like parameters they go to the compute device."""
+    for m in modules:
+        for sub in m.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and buf.device.type != "meta" and buf.device != device:
+                    sub._buffers[name] = buf.to(device)
+
+
+def _make_sharded_params(
+    collected: list[Collected],
+    info: MeshInfo,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    storage_device: torch.device,
+) -> tuple[list[ShardedParam], list[torch.Tensor]]:
+    """One ``ShardedParam`` per collected parameter (its shard dim validated),
+    and the tensor each rank's shard is first copied from."""
+    params: list[ShardedParam] = []
+    sources: list[torch.Tensor] = []
+    for p, owners, fqn in collected:
+        dim = 0
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(p)
+            if placement is not None:
+                if not isinstance(placement, Shard):
+                    raise ConfigTypeError(
+                        f"shard_placement_fn must return Shard(dim) or None, got {placement!r} for {fqn}."
+                    )
+                dim = placement.dim if placement.dim >= 0 else placement.dim + p.ndim
+                if not 0 <= dim < p.ndim:
+                    raise ConfigError(
+                        f"shard_placement_fn returned Shard({placement.dim}) for {fqn} of shape "
+                        f"{tuple(p.shape)}; the dim must be in [-{p.ndim}, {p.ndim})."
+                    )
+                local_shape = (p._local_tensor if isinstance(p, DTensor) else p).shape
+                if dim != 0 and local_shape[dim] % info.shard_size != 0:
+                    raise UnsupportedError(
+                        f"FSDP does not support uneven sharding on dim {dim}: {fqn} has shape "
+                        f"{tuple(p.shape)} and the shard group has {info.shard_size} ranks (as in "
+                        "PyTorch). Shard it on dim 0, or on a dim its size divides evenly."
+                    )
+        params.append(ShardedParam(p, owners, info, dim, fqn))
+        # This rank's first source: the TP-local tensor for DTensors.
+        src = p._local_tensor if isinstance(p, DTensor) else p
+        if src.device.type != "meta" and src.device != storage_device:
+            src = src.detach().to(storage_device)
+        sources.append(src)
+    return params, sources
