@@ -7,13 +7,19 @@ CPU with the gloo backend, ``--nproc`` ranks (default 2), one thread per rank:
 * ``torch_fsdp`` - ``torch.distributed.fsdp.fully_shard``, wrapped the same way;
 * ``ddp``        - ``DistributedDataParallel`` (full replica per rank, gradient all-reduce);
 * ``local``      - each rank trains its own full copy, no communication at all;
+* ``torch_fsdp1`` - PyTorch's ``FullyShardedDataParallel`` (FSDP1: flat parameters),
+  ``FULL_SHARD`` with one unit per block (``ModuleWrapPolicy``) and the root,
+  ``use_orig_params=True``, ``device_id=cpu``;
 * ``shardwise_int8`` - shardwise with ``QuantizedAllGather`` (int8 + per-block scales)
   as every module's all-gather (``set_custom_all_gather``);
+* ``shardwise_fsdp1`` (on request) - shardwise's ``FullyShardedDataParallel``, as ``torch_fsdp1``;
 * ``shardwise_compiled`` / ``torch_compiled`` (on request only) - ``shardwise`` /
   ``torch_fsdp`` with every block then compiled in place (``block.compile()``,
   inductor), as torchtitan does; the warm-up steps absorb compilation.
 
-The ``AG MiB/step`` column is the bytes each rank receives from parameter
+``RSS growth`` is the peak resident set size minus the resident size just before the
+model was built (the Python / torch / process-group baseline left out): the memory the
+model, its training and the library's buffers cost. The ``AG MiB/step`` column is the bytes each rank receives from parameter
 all-gathers per step (counted at ``all_gather_single``), for the FSDP configs.
 
 Each config runs in its own freshly spawned set of rank processes, one config after another,
@@ -70,9 +76,9 @@ except Exception:  # noqa: BLE001 - the package itself is broken: load the model
     _spec.loader.exec_module(_models)
     GPT, GPTConfig, synthetic_batch = _models.GPT, _models.GPTConfig, _models.synthetic_batch
 
-CONFIGS = ("shardwise", "torch_fsdp", "ddp", "local", "shardwise_int8")
+CONFIGS = ("shardwise", "torch_fsdp", "torch_fsdp1", "ddp", "local", "shardwise_int8")
 # Not in the default set (compiling takes a minute per config): ask for them by name.
-EXTRA_CONFIGS = ("shardwise_compiled", "torch_compiled")
+EXTRA_CONFIGS = ("shardwise_compiled", "torch_compiled", "shardwise_fsdp1")
 BASELINE = "torch_fsdp"
 MIB = 2**20
 
@@ -115,6 +121,8 @@ def wrap(config: str, model: GPT, args: argparse.Namespace, world_size: int) -> 
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
+    if config.endswith("_fsdp1"):
+        return wrap_fsdp1(config, model, args)
     if config.startswith("shardwise"):
         fully_shard, mp_cls = shardwise_api()
     else:
@@ -140,7 +148,33 @@ def wrap(config: str, model: GPT, args: argparse.Namespace, world_size: int) -> 
     return model
 
 
+def wrap_fsdp1(config: str, model: GPT, args: argparse.Namespace) -> torch.nn.Module:
+    """The wrapper API (PyTorch's FSDP1, or shardwise's of the same name):
+    ``FULL_SHARD``, one unit per block plus the root, as the per-module configs."""
+    if config.startswith("shardwise"):
+        from shardwise import FullyShardedDataParallel as FSDP
+        from shardwise import MixedPrecision
+        from shardwise.wrap import ModuleWrapPolicy
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    block_cls = type(model.blocks[0])
+    mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mp == "bf16" else None
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block_cls}), mixed_precision=mixed,
+                device_id=torch.device("cpu"), use_orig_params=True)
+
+
 _AG_BYTES = [0]
+
+
+def _current_rss_mib() -> float:
+    """This process's resident set size now (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
 def count_all_gather_bytes() -> None:
@@ -177,6 +211,7 @@ def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir:
             vocab_size=args.vocab, seq_len=args.seq_len, dim=args.dim,
             n_layers=args.layers, n_heads=args.heads,
         )
+        base_rss_mib = _current_rss_mib()
         torch.manual_seed(0)
         model = GPT(cfg)
         n_params = model.num_params()
@@ -203,7 +238,8 @@ def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir:
                 times.append(elapsed)
         result = {
             "step_ms": 1e3 * statistics.median(times),
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mib": (peak := resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "rss_growth_mib": peak - base_rss_mib,
             "state_mib": model_state_bytes(model, opt) / MIB,
             "ag_mib_per_step": _AG_BYTES[0] / MIB / args.steps,
             "num_params": n_params,
@@ -247,7 +283,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not good:
         return {"error": runs[0]["error"] if runs else "not run"}
     out: dict[str, Any] = {}
-    for key in ("step_ms", "peak_rss_mib", "state_mib", "ag_mib_per_step"):
+    for key in ("step_ms", "peak_rss_mib", "rss_growth_mib", "state_mib", "ag_mib_per_step"):
         out[key] = statistics.median(max(rk.get(key, 0.0) for rk in r["ranks"]) for r in good)
     out["repeats_ok"] = len(good)
     return out
@@ -255,21 +291,22 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
     """Plain-text table with ratios to the ``torch_fsdp`` baseline."""
-    head = ("config", "step ms", "peak RSS MiB", "state MiB", "AG MiB/step",
-            "step/torch", "RSS/torch", "state/torch", "AG/torch")
-    lines = ["{:<15} {:>9} {:>13} {:>10} {:>12} {:>11} {:>10} {:>12} {:>9}".format(*head)]
+    head = ("config", "step ms", "peak RSS MiB", "RSS growth", "state MiB", "AG MiB/step",
+            "step/torch", "growth/torch", "state/torch", "AG/torch")
+    lines = ["{:<16} {:>9} {:>13} {:>11} {:>10} {:>12} {:>11} {:>13} {:>12} {:>9}".format(*head)]
     base = summary.get(BASELINE, {})
     for config, s in summary.items():
         if "error" in s:
             lines.append(f"{config:<15} {s['error'][:110]}")
             continue
         ratios = []
-        for key in ("step_ms", "peak_rss_mib", "state_mib", "ag_mib_per_step"):
+        for key in ("step_ms", "rss_growth_mib", "state_mib", "ag_mib_per_step"):
             ok = key in base and base[key] > 0 and s[key] > 0
             ratios.append(f"{s[key] / base[key]:.2f}" if ok else "-")
         lines.append(
-            f"{config:<15} {s['step_ms']:>9.1f} {s['peak_rss_mib']:>13.1f} {s['state_mib']:>10.2f}"
-            f" {s['ag_mib_per_step']:>12.2f} {ratios[0]:>11} {ratios[1]:>10} {ratios[2]:>12} {ratios[3]:>9}"
+            f"{config:<16} {s['step_ms']:>9.1f} {s['peak_rss_mib']:>13.1f} {s['rss_growth_mib']:>11.1f}"
+            f" {s['state_mib']:>10.2f} {s['ag_mib_per_step']:>12.2f} {ratios[0]:>11} {ratios[1]:>13}"
+            f" {ratios[2]:>12} {ratios[3]:>9}"
         )
     return "\n".join(lines)
 

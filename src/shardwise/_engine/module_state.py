@@ -23,11 +23,11 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
-from torch.profiler import record_function
 
 from shardwise.policies import MixedPrecisionPolicy
 
 from .param_group import IterationContext, ParamGroup
+from .trace import trace
 from .trees import cast_floats, map_tensors
 
 
@@ -212,7 +212,7 @@ class ModuleState:
 
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         self.lazy_init()
-        with record_function(f"shardwise::pre_forward ({self.name})"):
+        with trace(f"shardwise::pre_forward ({self.name})"):
             if self.is_root and self.device.type != "cpu":
                 args, kwargs = map_tensors(self._to_device, (args, kwargs))
             if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
@@ -224,7 +224,7 @@ class ModuleState:
         return args, kwargs
 
     def post_forward(self, output: Any) -> Any:
-        with record_function(f"shardwise::post_forward ({self.name})"):
+        with trace(f"shardwise::post_forward ({self.name})"):
             if self.group is not None:
                 self.group.post_forward()
             if self.mp.output_dtype is not None:
@@ -270,7 +270,7 @@ class ModuleState:
             ctx.final_callback_queued = True
             Variable._execution_engine.queue_callback(ctx.root.finalize_backward)
         if self.group is not None:
-            with record_function(f"shardwise::pre_backward ({self.name})"):
+            with trace(f"shardwise::pre_backward ({self.name})"):
                 self.group.pre_backward()
 
     def post_backward(self) -> None:
@@ -281,7 +281,7 @@ class ModuleState:
     def finalize_backward(self) -> None:
         """The root's end-of-backward callback: every group under the root."""
         ctx = self.ctx
-        with record_function("shardwise::finalize_backward"):
+        with trace("shardwise::finalize_backward"):
             try:
                 for state in ctx.states:
                     if state.group is not None:

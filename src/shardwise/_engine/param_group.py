@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
-from torch.profiler import record_function
 
 from shardwise.comm import WorkHandle
 from shardwise.errors import ConfigError, MixedDtypeError
@@ -48,6 +47,7 @@ from . import collectives as coll
 from .plan import GroupPlan
 from .settings import GroupSettings
 from .sharded_param import ShardedParam, ShardedState, alloc_storage, free_storage
+from .trace import trace
 
 # The module state type (module_state.ModuleState, which imports this module).
 S = TypeVar("S")
@@ -286,7 +286,7 @@ class ParamGroup:
         if self._in_flight is None and not self.is_unsharded:
             self._wait_post_optim_event()
             comm = self.settings.all_gather_comm
-            with record_function(f"shardwise::all_gather ({self.name})"):
+            with trace(f"shardwise::all_gather ({self.name})"):
                 if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
                     data, flat = self._post_forward_data, self.post_forward_flat
                     if self.subgroup is None or data is None or flat is None:
@@ -366,7 +366,7 @@ class ParamGroup:
         if result is None:
             return
         self._in_flight = None
-        with record_function(f"shardwise::all_gather_copy_out ({self.name})"):
+        with trace(f"shardwise::all_gather_copy_out ({self.name})"):
             if isinstance(result, coll.PackedGatherResult):
                 self._finish_packed_all_gather(result)
             else:
@@ -468,7 +468,7 @@ class ParamGroup:
         """Engine-initiated async unshard; undone at root post-forward if unused."""
         if self._in_flight is None and not self.is_unsharded:
             self._prefetched = True
-            with record_function(f"shardwise::prefetch ({self.name})"):
+            with trace(f"shardwise::prefetch ({self.name})"):
                 self.unshard(async_op=True)
 
     def drop_unused_prefetch(self) -> None:
@@ -539,7 +539,7 @@ class ParamGroup:
         settings = self.settings
         sync = settings.requires_grad_sync
         rd = settings.mp.reduce_dtype
-        with record_function(f"shardwise::post_backward ({self.name})"):
+        with trace(f"shardwise::post_backward ({self.name})"):
             params, grads = [], []
             for p in self.params:
                 up = p.unsharded_param
@@ -582,7 +582,7 @@ class ParamGroup:
         dtype = self.settings.mp.reduce_dtype or grads[0].dtype
         pre, _ = self._divide_factors(dtype)
         flat = self.plan.flat if len(params) == len(self.params) else FlatLayout.of([p.layout for p in params])
-        with record_function(f"shardwise::reduce_scatter ({self.name})"):
+        with trace(f"shardwise::reduce_scatter ({self.name})"):
             result = coll.start_reduce_scatter(
                 self.settings.reduce_scatter_comm, grads, flat, self._reduce_scatter_group or self.info.shard_group,
                 dtype, self.device, pre, self.name, self.ctx.pool,
