@@ -239,3 +239,68 @@ def test_original_full_parameters_are_released():
     assert all(p.is_leaf and p._local_tensor.grad_fn is None for p in model.parameters())
     held = sum(p.to_local().numel() for p in model.parameters())
     assert held == sum(p.numel() for p in model.parameters()) // 2
+
+
+@multi_rank(world_sizes=(2,))
+def test_unsharded_params_share_one_buffer_freed_at_once():
+    """A group's unsharded parameters live in one storage (allocated and freed
+    once per unshard / reshard), each a tensor of its own: writing one leaves
+    the others' autograd versions alone. Training is unchanged (parity)."""
+    from shardwise.models import GPT, GPTConfig, synthetic_batch
+    from shardwise.testing import assert_models_match, replicate_grads
+
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=32, seq_len=8, dim=16, n_layers=2, n_heads=2))
+    model, cfg = _model(reshard=False, n_layers=2)
+    block = model.blocks[0]
+    _step(model, cfg)  # reshard_after_forward=False: unsharded until after backward
+    block.unshard()
+    params = [p for p in block.parameters()]
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    assert len(storages) == 1, storages
+    size = params[0].untyped_storage().size()
+    assert size >= sum(p.numel() * p.element_size() for p in params)
+    versions = [p._version for p in params]
+    with torch.no_grad():
+        params[0].mul_(1.0)
+    assert [p._version for p in params[1:]] == versions[1:]
+    block.reshard()
+    state = block._get_fsdp_state()
+    assert all(sp.unsharded_param.untyped_storage().size() == 0 for sp in state.group.params)
+    # and the numbers are those of an unsharded model given the same batch
+    model.zero_grad()
+    _step(model, cfg, seed=1)
+    x, y = synthetic_batch(cfg, 2, seed=1, rank=torch.distributed.get_rank())
+    GPT.loss(ref(x), y).backward()
+    replicate_grads(ref)
+    assert_models_match(model, ref)
+
+
+@multi_rank(world_sizes=(2,))
+def test_comm_buffers_are_reused_across_steps():
+    """After the first step, later steps take every all-gather and
+    reduce-scatter buffer from the pool: no new ones are allocated."""
+    from shardwise._engine import collectives as coll
+
+    model, cfg = _model()
+    fresh = []
+    orig_take = coll.BufferPool.take
+
+    def take(self, numel, dtype, device):
+        free = self._free.get((numel, dtype, device))
+        if not free:
+            fresh.append(numel)
+        return orig_take(self, numel, dtype, device)
+
+    coll.BufferPool.take = take
+    try:
+        counts = []
+        for seed in range(3):
+            before = len(fresh)
+            _step(model, cfg, seed=seed)
+            model.zero_grad()
+            counts.append(len(fresh) - before)
+    finally:
+        coll.BufferPool.take = orig_take
+    assert counts[0] > 0, counts
+    assert counts[1:] == [0, 0], counts

@@ -1,5 +1,6 @@
-"""Training parity against an unsharded reference over the grid
-world size x reshard_after_forward x precision x wrapping, plus HSDP."""
+"""Training parity over the grid world size x reshard_after_forward x
+precision x wrapping (against an unsharded reference), plus HSDP, and the
+reference itself as an axis: unsharded, DDP, PyTorch's fully_shard."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from shardwise.testing import multi_rank
 STEPS = 3
 
 
-def _setup(world_size, reshard, precision, wrapping, mesh_shape=None):
+def _setup(world_size, reshard, precision, wrapping, mesh_shape=None, reference="unsharded"):
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardwise import MixedPrecisionPolicy, fully_shard
@@ -38,6 +39,24 @@ def _setup(world_size, reshard, precision, wrapping, mesh_shape=None):
                 fully_shard(block, reshard_after_forward=reshard, **kw)
         fully_shard(model, reshard_after_forward=reshard if wrapping == "root" else None, **kw)
 
+    def torch_fsdp(model):
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        kw = dict(mesh=mesh, mp_policy=TorchMP(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype))
+        if wrapping == "blocks":
+            for block in model.blocks:
+                torch_fully_shard(block, reshard_after_forward=reshard, **kw)
+        return torch_fully_shard(model, reshard_after_forward=reshard if wrapping == "root" else None, **kw)
+
+    def ddp(model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+
+    wrap_reference = {"unsharded": None, "ddp": ddp, "torch_fsdp": torch_fsdp}[reference]
+    if reference == "torch_fsdp":
+        tol = EXACT if precision == "fp32" else Tolerance(loss_rtol=1e-3, loss_atol=1e-3, rtol=1e-5, atol=1e-5)
     return parity_train(
         lambda: GPT(cfg),
         shard,
@@ -47,6 +66,7 @@ def _setup(world_size, reshard, precision, wrapping, mesh_shape=None):
         tol=tol,
         param_dtype=mp.param_dtype,
         reduce_dtype=mp.reduce_dtype,
+        reference=wrap_reference,
     )
 
 
@@ -70,3 +90,15 @@ def test_parity_reshard_to_group_of_2(world_size, precision, wrapping):
 @multi_rank(world_sizes=(4,))
 def test_parity_hsdp_2x2(world_size, precision):
     _setup(world_size, True, precision, "blocks", mesh_shape=(2, 2))
+
+
+# The reference as an axis: DDP (fp32: it has no mixed precision of its own)
+# and PyTorch's fully_shard with the same wrapping and mixed precision.
+REFERENCES = [("unsharded", "fp32"), ("ddp", "fp32"), ("torch_fsdp", "fp32"), ("torch_fsdp", "bf16")]
+
+
+@pytest.mark.parametrize("reference,precision", REFERENCES, ids=[f"{r}-{p}" for r, p in REFERENCES])
+@multi_rank(world_sizes=(2, 4))
+def test_parity_against_each_reference(world_size, reference, precision):
+    losses = _setup(world_size, True, precision, "blocks", reference=reference)
+    assert len(losses) == STEPS

@@ -112,7 +112,8 @@ def assert_models_match(
 
     Args:
         model: The model under test; parameters may be DTensors.
-        ref_model: The reference model with regular parameters.
+        ref_model: The reference model (regular parameters, or sharded ones,
+            compared whole).
         rtol: Relative tolerance for :func:`torch.testing.assert_close`; give
             it together with ``atol``. (Default: ``None``, dtype-based default)
         atol: Absolute tolerance; give it together with ``rtol``.
@@ -138,7 +139,15 @@ def assert_models_match(
                 full_tensor(param.detach()),
                 full_tensor(grad) if check_grads and grad is not None else None,
             )
-    ref_params = dict(ref_model.named_parameters())
+    # The reference may be sharded too (PyTorch's FSDP as the reference): whole values.
+    ref_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    with torch.no_grad():
+        for name, param in ref_model.named_parameters():
+            grad = param.grad
+            ref_params[name] = (
+                full_tensor(param.detach()),
+                full_tensor(grad) if check_grads and grad is not None else None,
+            )
 
     problems: list[str] = []
     missing = [name for name in ref_params if name not in params]
@@ -148,16 +157,15 @@ def assert_models_match(
     if unexpected:
         problems.append(f"parameters not in the reference model: {unexpected}")
 
-    for name, ref_param in ref_params.items():
+    for name, (ref_value, ref_grad) in ref_params.items():
         if name not in params:
             continue
         value, grad = params[name]
-        problem = _compare(value, ref_param.detach(), rtol, atol)
+        problem = _compare(value, ref_value, rtol, atol)
         if problem is not None:
             problems.append(f"parameter '{name}': {problem}")
         if not check_grads:
             continue
-        ref_grad = ref_param.grad
         if grad is None and ref_grad is None:
             continue
         if grad is None or ref_grad is None:

@@ -49,6 +49,7 @@ def parity_train(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     prepare_reference: Callable[[nn.Module], object] | None = None,
+    reference: Callable[[nn.Module], nn.Module] | None = None,
 ) -> list[float]:
     """Train ``shard(model)`` and an unsharded deep copy side by side; assert
     parity of losses, parameters and gradients after every step.
@@ -76,6 +77,12 @@ def parity_train(
             computes with (its low-precision copy under ``param_dtype``), e.g.
             to compile it as ``shard`` compiles the sharded model, so both
             run the same kernels. (Default: ``None``)
+        reference: makes the reference data parallel itself instead of
+            averaging its gradients here: given the reference model, returns
+            the module to train (e.g. ``DistributedDataParallel(m)``, or
+            ``m`` after PyTorch's ``fully_shard``, applying the same mixed
+            precision as ``shard``). (Default: ``None``: an unsharded copy
+            on every rank, gradients averaged by ``replicate_grads``)
 
     Returns:
         The sharded model's loss at every step.
@@ -87,9 +94,16 @@ def parity_train(
     if isinstance(sharded, nn.Module):
         model = sharded  # a wrapper (FullyShardedDataParallel) replaces the model
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    # Mixed precision: compute in a low-precision copy, keep fp32 master weights.
-    ref_compute = ref if param_dtype is None else copy.deepcopy(ref).to(param_dtype)
+    ref_opt: torch.optim.Optimizer
+    if reference is not None:
+        # The reference averages its own gradients (and casts, for PyTorch's FSDP).
+        ref_compute = reference(ref)
+        param_dtype = None
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    else:
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+        # Mixed precision: compute in a low-precision copy, keep fp32 master weights.
+        ref_compute = ref if param_dtype is None else copy.deepcopy(ref).to(param_dtype)
     if prepare_reference is not None:
         prepare_reference(ref_compute)
     rank = dist.get_rank()
@@ -100,7 +114,9 @@ def parity_train(
         loss.backward()  # type: ignore[no-untyped-call]
         ref_loss = loss_fn(ref_compute(x), y)
         ref_loss.backward()  # type: ignore[no-untyped-call]
-        if ref_compute is not ref:
+        if reference is not None:
+            pass  # already averaged by the reference's own data parallelism
+        elif ref_compute is not ref:
             _reduce_into_master(ref_compute, ref, reduce_dtype or param_dtype)  # type: ignore[arg-type]
         else:
             replicate_grads(ref)
@@ -119,7 +135,7 @@ def parity_train(
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        if ref_compute is not ref:
+        if ref_compute is not ref and reference is None:
             with torch.no_grad():
                 for p_lp, p in zip(ref_compute.parameters(), ref.parameters()):
                     p_lp.copy_(p)
