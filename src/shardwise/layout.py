@@ -1,7 +1,9 @@
-"""Chunk arithmetic, in one place: how ``torch.chunk`` cuts a dimension of
-``size`` into ``parts`` pieces (every piece ``ceil(size / parts)`` long except
-the last non-empty one; trailing pieces may be empty). Parameters, gradients,
-optimizer state, checkpoints and the memory planner all use it."""
+"""How tensors are laid out across ranks, in one place: how ``torch.chunk``
+cuts a dimension of ``size`` into ``parts`` pieces (every piece
+``ceil(size / parts)`` long except the last non-empty one; trailing pieces may
+be empty), and a DTensor laid out like another over a given local tensor.
+Parameters, gradients, optimizer state, state dicts, checkpoints and the memory
+planner all use it."""
 
 from __future__ import annotations
 
@@ -9,8 +11,18 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
-__all__ = ["FlatLayout", "ShardLayout", "chunk_rows", "chunk_span"]
+__all__ = ["FlatLayout", "ShardLayout", "chunk_rows", "chunk_span", "dtensor_like"]
+
+
+def dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor with ``like``'s mesh, placements, global shape and stride over
+    ``local`` (this rank's piece, e.g. moved, cast or freshly read); no
+    communication."""
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def chunk_rows(size: int, parts: int) -> int:

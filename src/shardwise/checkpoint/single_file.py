@@ -33,7 +33,7 @@ from shardwise.checkpoint.ranks import agree, rank
 from shardwise.checkpoint.state import listing
 from shardwise.errors import CheckpointError, ConfigTypeError
 from shardwise.fully_shard import summon_full_params
-from shardwise.layout import chunk_span
+from shardwise.layout import chunk_span, dtensor_like
 
 __all__ = ["export", "load_from_file", "local_box"]
 
@@ -261,10 +261,7 @@ def _read_shards(path: Path, model: nn.Module, sd: dict[str, Any], strict: bool)
                 device=(value.to_local() if isinstance(value, DTensor) else value).device, dtype=value.dtype
             )
             if isinstance(value, DTensor):
-                out[key] = DTensor.from_local(
-                    local, value.device_mesh, value.placements, run_check=False,
-                    shape=value.shape, stride=value.stride(),
-                )
+                out[key] = dtensor_like(value, local)
             else:
                 out[key] = local
         for names in by_tensor.values():

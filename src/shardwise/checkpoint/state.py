@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from shardwise.errors import CheckpointError
+from shardwise.layout import dtensor_like
 
 __all__ = [
     "MODEL_KEY",
@@ -84,10 +85,7 @@ def _fresh(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     """An uninitialised tensor laid out (and, for a DTensor, sharded) like ``value``."""
     dtype = dtype or value.dtype
     if isinstance(value, DTensor):
-        local = torch.empty(value.to_local().shape, dtype=dtype, device=value.to_local().device)
-        return DTensor.from_local(
-            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-        )
+        return dtensor_like(value, torch.empty(value.to_local().shape, dtype=dtype, device=value.to_local().device))
     return torch.empty(value.shape, dtype=dtype, device=value.device)
 
 

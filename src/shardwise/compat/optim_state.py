@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardwise._engine.module_state import states_under
 from shardwise.errors import ConfigError, ConfigTypeError
+from shardwise.layout import dtensor_like
 
 from .config import OptimStateKeyType, StateDictType
 from .state_dict import _load_value, clean_name, get_state_dict_type
@@ -129,10 +130,7 @@ def _export(value: Any, kind: StateDictType, offload: bool) -> Any:
             value = value.to_local()
         else:
             if offload and value.device.type != "cpu":
-                value = DTensor.from_local(
-                    value.to_local().cpu(), value.device_mesh, value.placements,
-                    run_check=False, shape=value.shape, stride=value.stride(),
-                )
+                value = dtensor_like(value, value.to_local().cpu())
             return value
     return value.cpu() if offload else value
 

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from shardwise._engine.param_group import ParamGroup
 from shardwise.errors import ConfigError, ConfigTypeError, MismatchError
-from shardwise.layout import chunk_span
+from shardwise.layout import chunk_span, dtensor_like
 
 from .config import (
     CONFIG_FOR_TYPE,
@@ -168,14 +168,7 @@ def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placemen
 
 
 def _like(target: DTensor, local: torch.Tensor) -> DTensor:
-    return DTensor.from_local(
-        local.to(target.to_local().device),
-        target.device_mesh,
-        target.placements,
-        run_check=False,
-        shape=target.shape,
-        stride=target.stride(),
-    )
+    return dtensor_like(target, local.to(target.to_local().device))
 
 
 def _is_mesh_rank0(wrapper: WrapperState) -> bool:
@@ -197,10 +190,7 @@ def _save_value(
         elif kind == StateDictType.LOCAL_STATE_DICT:
             value = value.to_local()
         elif cfg.offload_to_cpu and value.device.type != "cpu":
-            local = value.to_local().cpu()
-            return DTensor.from_local(
-                local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-            )
+            return dtensor_like(value, value.to_local().cpu())
         else:
             return value
     if orig_dtype is not None and kind != StateDictType.LOCAL_STATE_DICT and value.dtype != orig_dtype:
