@@ -3,8 +3,11 @@ and leaves the module untouched."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.testing import multi_rank
@@ -150,15 +153,31 @@ def test_deepcopy_of_a_sharded_module_is_refused():
 
 
 @multi_rank(world_sizes=(2,))
-def test_mixed_parameter_dtypes_in_one_group():
+def test_mixed_parameter_dtypes_in_one_group_are_no_error():
+    """fp32 and fp64 trainable parameters in one group, no param_dtype (which
+    PyTorch refuses at the first forward): each is gathered, reduced and
+    given its gradient in its own dtype, equal to an unsharded copy's."""
     from shardwise import MixedPrecisionPolicy, fully_shard
+    from shardwise.testing import assert_models_match, replicate_grads
 
-    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
-    fully_shard(m)  # as PyTorch: accepted here, refused at the first forward
-    _raises(ValueError, r"uniform original parameter dtype.*float32.*float64.*param_dtype", m, torch.randn(2, 4))
-    _raises(AssertionError, "uniform original parameter dtype", m, torch.randn(2, 4))  # PyTorch's type too
-    # with a param_dtype every shard is cast to it before the gather: allowed
+    class ToDouble(nn.Module):
+        def forward(self, x):
+            return x.double()
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), ToDouble(), nn.Linear(4, 4).double())
+    m = copy.deepcopy(ref)
+    fully_shard(m)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    m(x).sum().backward()
+    ref(x).sum().backward()
+    replicate_grads(ref)
+    assert_models_match(m, ref)
+    assert [p.grad.dtype for p in m.parameters()] == [torch.float32] * 2 + [torch.float64] * 2
+    # with a param_dtype every shard is cast to it before the gather
     m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
     fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
     m(torch.randn(2, 4)).sum().backward()
     assert m[1].weight.dtype == torch.float64 and m[1].weight.grad.dtype == torch.float64
+
+

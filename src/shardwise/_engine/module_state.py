@@ -86,6 +86,12 @@ class _PostBackward(torch.autograd.Function):
         ctx.state.post_backward()
         return (None, *grads)
 
+    @staticmethod
+    def jvp(ctx: Any, _state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Forward-mode AD (``torch.func.jvp``, dual tensors): the identity
+        (views, since forward returns its inputs as they are)."""
+        return tuple(t.view_as(t) for t in tangents)
+
 
 def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
@@ -176,12 +182,6 @@ class ModuleState:
             if state.deferred_error is not None:
                 self.is_root = None
                 raise ValueError(state.deferred_error)
-            if state.group is not None:
-                try:  # as at fully_shard: parameters may have been (un)frozen since
-                    state.group.check_trainable_dtypes()
-                except ValueError:
-                    self.is_root = None
-                    raise
         ctx.states = states
         for state in states:
             state.ctx = ctx

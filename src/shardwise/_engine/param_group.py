@@ -16,6 +16,14 @@ group prefetches the one before it once its own gather is issued. Groups are
 resharded after their forward/backward, so besides the root at most the current
 and the prefetched group hold unsharded parameters.
 
+[Note: mixed-dtype groups]
+Parameters of one group may differ in dtype (frozen or trainable bf16 weights
+beside fp32 adapters, non-floating parameters). Without ``param_dtype`` each
+is gathered in its own dtype (the packed path: one collective of bytes), its
+gradient reduced in its own dtype (one reduce-scatter per dtype, in parameter
+order) and installed in its own dtype; ``reduce_dtype`` makes the reduction
+one dtype again. The one-dtype flat buffer stays the fast path.
+
 [Note: pending reductions]
 A reduce-scatter is issued asynchronously in post-backward and finished (waited,
 all-reduced across replicas for HSDP, divided, installed as ``.grad``) later: at
@@ -26,11 +34,13 @@ all-reduces are likewise issued async and finished one step later.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -51,6 +61,23 @@ from .trace import trace
 
 # The module state type (module_state.ModuleState, which imports this module).
 S = TypeVar("S")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _outside_functorch(fn: F) -> F:
+    """Run ``fn`` with functorch's transforms suspended when any is active
+    (``torch.func.jvp`` / ``vmap`` through a sharded module, as PyTorch's
+    FSDP does around the same three methods): gathering, copying out and
+    freeing storage work on the real tensors, never on transform wrappers."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return cast(F, wrapper)
 
 
 class TrainingState(Enum):
@@ -126,10 +153,10 @@ class IterationContext(Generic[S]):
 
 
 def check_trainable_dtypes(trainable: list[tuple[torch.dtype, str]], mp: MixedPrecisionPolicy) -> None:
-    """Raise ``MixedDtypeError`` if the ``(dtype, name)`` of one group's trainable
-    parameters name several dtypes and ``mp`` sets no ``param_dtype``. Frozen
-    parameters may differ (a bf16 base under fp32 adapters): the group then
-    all-gathers each in its own dtype, packed as bytes."""
+    """For the wrapper API (PyTorch's FSDP1 flattens a unit into one dtype):
+    raise ``MixedDtypeError`` if the ``(dtype, name)`` of one unit's trainable
+    parameters name several dtypes and ``mp`` sets no ``param_dtype``.
+    ``fully_shard`` groups accept them (see [Note: mixed-dtype groups])."""
     dtypes = {dtype for dtype, _ in trainable}
     if len(dtypes) <= 1 or mp.param_dtype is not None:
         return
@@ -185,7 +212,8 @@ class ParamGroup:
         self._unsharded_flat: torch.Tensor | None = None
         self._unsharded_locals: list[torch.Tensor] = []
         # HSDP with all-reduce off: reduce-scattered sums awaiting their all-reduce.
-        self._partial: tuple[list[ShardedParam], torch.Tensor] | None = None
+        # (keyed by the parameters reduced together: one entry per reduction dtype)
+        self._partial: dict[tuple[int, ...], torch.Tensor] = {}
         self._post_forward_data: torch.Tensor | None = None
         self._offload_events: list[Any] = []  # gradient copies to the host in flight
         self._in_flight: coll.AllGatherResult | coll.PackedGatherResult | None = None
@@ -224,12 +252,6 @@ class ParamGroup:
         if full_precision or not p.orig_dtype.is_floating_point:
             return p.orig_dtype
         return self.settings.mp.param_dtype or p.orig_dtype
-
-    def check_trainable_dtypes(self) -> None:
-        """Refuse trainable parameters of several dtypes without ``param_dtype``,
-        as at ``fully_shard``: run again at the root's first forward (where
-        PyTorch checks), since ``requires_grad`` may have changed in between."""
-        check_trainable_dtypes([(p.orig_dtype, p.fqn) for p in self.params if p.requires_grad], self.settings.mp)
 
     # ---- sharded storage ------------------------------------------------------
     def _init_storage(self, sources: list[torch.Tensor]) -> None:
@@ -280,6 +302,7 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self.sharded_state == ShardedState.UNSHARDED
 
+    @_outside_functorch
     def unshard(self, async_op: bool = False, full_precision: bool = False) -> None:
         """Issue the all-gather (idempotent: nothing if unsharded or in flight).
         ``full_precision`` gathers every parameter in its own dtype (summon)."""
@@ -360,6 +383,7 @@ class ParamGroup:
         self._unsharded_flat = buf
         return self._unsharded_locals
 
+    @_outside_functorch
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather: copy out, register unsharded params."""
         result = self._in_flight
@@ -390,6 +414,7 @@ class ParamGroup:
         for p in self.params:
             p.register_sharded()
 
+    @_outside_functorch
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones (idempotent)."""
         if self._in_flight is not None:
@@ -436,6 +461,7 @@ class ParamGroup:
                 local = p.sharded_data.narrow(p.shard_dim, 0, p.layout.local_rows)
                 local.copy_(p.layout.local_chunk(p.unsharded_local()))
 
+    @_outside_functorch
     @torch.no_grad()
     def _reshard_post_forward(self) -> None:
         """Keep only this rank's chunk over the post-forward subgroup."""
@@ -570,16 +596,25 @@ class ParamGroup:
             if settings.reshard_after_backward:
                 self.reshard()
             self._prefetch_backward()
-            if grads:
+            # One reduce-scatter per reduction dtype: a group may hold trainable
+            # parameters of several dtypes (fp32 adapters beside bf16 weights),
+            # each reduced in its own (or in reduce_dtype, when set).
+            buckets: dict[torch.dtype, tuple[list[ShardedParam], list[torch.Tensor]]] = {}
+            for p, grad in zip(params, grads):
+                bucket = buckets.setdefault(rd or grad.dtype, ([], []))
+                bucket[0].append(p)
+                bucket[1].append(grad)
+            for dtype, (bucket_params, bucket_grads) in buckets.items():
                 self.ctx.drain(keep=self.ctx.max_pending)
-                self.ctx.pending.append(self._start_reduction(params, grads))
+                self.ctx.pending.append(self._start_reduction(bucket_params, bucket_grads, dtype))
 
     def _divide_factors(self, dtype: torch.dtype) -> tuple[float, float]:
         factor = float(self.settings.gradient_divide_factor or self.info.dp_size)
         return self.plan.divide_factors(dtype, factor)
 
-    def _start_reduction(self, params: list[ShardedParam], grads: list[torch.Tensor]) -> PendingReduction:
-        dtype = self.settings.mp.reduce_dtype or grads[0].dtype
+    def _start_reduction(
+        self, params: list[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype
+    ) -> PendingReduction:
         pre, _ = self._divide_factors(dtype)
         flat = self.plan.flat if len(params) == len(self.params) else FlatLayout.of([p.layout for p in params])
         with trace(f"shardwise::reduce_scatter ({self.name})"):
@@ -601,13 +636,14 @@ class ParamGroup:
             if pr.result.pooled:
                 self.ctx.pool.give(*pr.result.pooled)
             if self.info.replicate_group is not None:
-                if self._partial is not None:
-                    if [id(p) for p in self._partial[0]] != [id(p) for p in pr.params]:
-                        raise AssertionError(f"{self.name}: partial reduction over other parameters")
-                    out.add_(self._partial[1])
-                    self._partial = None
+                key = tuple(id(p) for p in pr.params)
+                partial = self._partial.pop(key, None)
+                if partial is not None:
+                    out.add_(partial)
+                if any(set(k) & set(key) for k in self._partial):
+                    raise AssertionError(f"{self.name}: partial reduction over other parameters")
                 if not settings.requires_all_reduce:
-                    self._partial = (pr.params, out)
+                    self._partial[key] = out
                     return True
                 group = self.info.replicate_group
                 hook = settings.replicate_all_reduce
@@ -701,7 +737,7 @@ class ParamGroup:
             p.unsharded_accumulated_grad = None
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
-        self._partial = None
+        self._partial = {}
 
 
 def _same_version(t: torch.Tensor) -> AbstractContextManager[Any]:
