@@ -37,13 +37,13 @@ class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the
     all-gather and registers the unsharded parameters."""
 
-    def __init__(self, group: ParamGroup | None) -> None:
-        self._group = group
+    def __init__(self, groups: list[ParamGroup]) -> None:
+        self._groups = groups
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []
 
 
 class FSDPModule:
@@ -68,13 +68,12 @@ class FSDPModule:
 
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         states = states_under(self) if recurse else [self._get_fsdp_state()]  # type: ignore[arg-type]
-        return [s.group for s in states if s.group is not None]
+        return [g for s in states for g in s.groups]
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters (if any) and register the
         sharded ones. Nothing happens if already sharded."""
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._get_fsdp_state().groups:
             group.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -84,12 +83,12 @@ class FSDPModule:
             async_op: return an :class:`UnshardHandle` at once; its ``wait()``
                 finishes the gather. Forward waits for it too. (Default: ``False``)
         """
-        group = self._get_fsdp_state().group
-        if group is not None:
+        groups = self._get_fsdp_state().groups
+        for group in groups:
             group.reset_sharded_params()
             group.unshard(async_op=async_op)
         if async_op:
-            return UnshardHandle(group)
+            return UnshardHandle(list(groups))
         return None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -131,8 +130,8 @@ class FSDPModule:
         states = states_under(self) if recurse else [self._get_fsdp_state()]  # type: ignore[arg-type]
         for state in states:
             state.auto_reshard_after_forward = False  # an explicit choice, also for the root
-            if state.group is not None:
-                state.group.set_reshard_after_forward(reshard_after_forward)
+            for group in state.groups:
+                group.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free full parameters after backward. Off keeps them for the
@@ -148,8 +147,7 @@ class FSDPModule:
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this module's parameters at all (off for modules
         whose gradients and input-gradients need no parameters). (This module only.)"""
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._groups(recurse=False):
             group.settings.unshard_in_backward = bool(unshard_in_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
@@ -302,8 +300,8 @@ class FSDPModule:
         self.reshard()
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
         for state in states_under(self):  # type: ignore[arg-type]
-            if state.group is not None:
-                state.group.reset_sharded_params()
+            for group in state.groups:
+                group.reset_sharded_params()
         return out
 
 
@@ -314,11 +312,8 @@ def _set_prefetch(module: FSDPModule, modules: list[FSDPModule], attr: str) -> N
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ConfigError(f"Expects FSDPModule but got {type(m).__name__}: apply fully_shard to it first.")
-        g = m._get_fsdp_state().group
-        if g is not None:
-            groups.append(g)
-    group = module._get_fsdp_state().group
-    if group is not None:
+        groups.extend(m._get_fsdp_state().groups)
+    for group in module._get_fsdp_state().groups:
         setattr(group.settings, attr, groups)
 
 
@@ -366,7 +361,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         writeback: copy modifications back to the shards on exit. (Default: ``True``)
     """
     states = states_under(module) if recurse else [s for s in [state_of(module)] if s is not None]
-    groups = [s.group for s in states if s.group is not None]
+    groups = [g for s in states for g in s.groups]
     if not groups:
         raise ConfigError(
             f"summon_full_params: {type(module).__name__} has no fully_shard-ed parameters; "

@@ -5,6 +5,7 @@ which replicates (HSDP), this rank's place in each, and the smaller groups that
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,9 @@ class MeshInfo:
     spmd_mesh: DeviceMesh | None = None
     spmd_dp_dims: frozenset[int] = frozenset()
     spmd_shard_dim: int = -1
+    # Parameters replicated over the 1-D ``mesh`` (``Replicate()`` from
+    # shard_placement_fn): a one-rank shard group, gradients all-reduced.
+    replicate_only: bool = False
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -91,12 +95,20 @@ class MeshInfo:
         return self.mesh[names[-1]]
 
     @property
+    def key(self) -> tuple[int, int]:
+        """Which collectives the parameters of this layout share (shard and
+        replicate process groups): one parameter group per key."""
+        return id(self.shard_group), id(self.replicate_group)
+
+    @property
     def dp_size(self) -> int:
         """Number of data-parallel ranks gradients are averaged over."""
         return self.shard_size * self.replicate_size
 
     def placements(self, shard_dim: int) -> tuple[Placement, ...]:
         """DTensor placements of a parameter sharded on ``shard_dim``."""
+        if self.replicate_only:
+            return (Replicate(),)
         if self.replicate_group is None:
             return (Shard(shard_dim),)
         return (Replicate(), Shard(shard_dim))
@@ -244,6 +256,56 @@ def mesh_info(mesh: DeviceMesh, dp_mesh_dims: object = None) -> MeshInfo:
         mesh.size(0),
         device,
     )
+
+
+# One-rank groups, per mesh, for replicated parameters (local to each rank).
+_SELF_GROUPS: weakref.WeakKeyDictionary[DeviceMesh, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+
+
+def replicate_info(mesh: DeviceMesh) -> MeshInfo:
+    """The layout of parameters replicated over the 1-D ``mesh`` (DDP-style:
+    whole on every rank, gradients all-reduced over the mesh)."""
+    if mesh.ndim != 1:
+        raise UnsupportedError(
+            f"Replicate() from shard_placement_fn needs a 1-D mesh, got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}; pass ShardPlacementResult(Replicate(), DDPMeshInfo(mesh_1d, "
+            "replicate_mesh_dim=0)) or shard that parameter."
+        )
+    own = _SELF_GROUPS.get(mesh)
+    if own is None:
+        own = _SELF_GROUPS[mesh] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return MeshInfo(mesh, own, 1, 0, mesh.get_group(0), mesh.size(0), _device_of(mesh), replicate_only=True)
+
+
+def mesh_info_of(obj: object) -> MeshInfo:
+    """Our layout for a mesh description in PyTorch's form (``FSDPMeshInfo``,
+    ``HSDPMeshInfo`` or ``DDPMeshInfo`` of ``ShardPlacementResult.mesh_info``:
+    ``mesh``, ``shard_mesh_dim``, ``replicate_mesh_dim``)."""
+    mesh = getattr(obj, "mesh", None)
+    if not isinstance(mesh, DeviceMesh):
+        raise ConfigTypeError(
+            f"a ShardPlacementResult's mesh_info must describe a DeviceMesh (mesh, shard_mesh_dim, "
+            f"replicate_mesh_dim), got {type(obj).__name__}."
+        )
+    if getattr(obj, "dp_mesh_dims", None) is not None:
+        raise UnsupportedError("per-parameter meshes with dp_mesh_dims are not supported; pass the data-parallel mesh.")
+    shard, replicate = getattr(obj, "shard_mesh_dim", None), getattr(obj, "replicate_mesh_dim", None)
+    names = mesh.mesh_dim_names or ()
+
+    def sub(dims: tuple[int, ...]) -> DeviceMesh:
+        if tuple(range(mesh.ndim)) == dims:
+            return mesh
+        if not names:
+            raise ConfigError(f"mesh {mesh} needs mesh_dim_names to select dims {dims} of it.")
+        return mesh[tuple(names[d] for d in dims)] if len(dims) > 1 else mesh[names[dims[0]]]
+
+    if shard is None:
+        if replicate is None:
+            raise ConfigError("a mesh info needs a shard_mesh_dim, a replicate_mesh_dim, or both.")
+        return replicate_info(sub((replicate,)))
+    if replicate is None:
+        return mesh_info(sub((shard,)))
+    return mesh_info(sub((replicate, shard)))
 
 
 # Subgroups are collective to create; cache them so that many modules asking for

@@ -111,20 +111,25 @@ class ModuleState:
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        group: ParamGroup | None,
+        groups: list[ParamGroup],
         mp: MixedPrecisionPolicy,
         auto_reshard_after_forward: bool,
         device: torch.device,
     ) -> None:
         self.modules = modules
-        self.group = group
+        # One group per mesh its parameters use (several only with per-parameter
+        # meshes from shard_placement_fn); ``group`` is the first, or None.
+        self.groups = groups
+        self.group = groups[0] if groups else None
         self.mp = mp
         self.device = device
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None  # decided at the first forward
         # A misuse found by fully_shard that PyTorch reports at the first forward.
         self.deferred_error: str | None = None
-        self.ctx: IterationContext[ModuleState] = group.ctx if group is not None else IterationContext()
+        self.ctx: IterationContext[ModuleState] = groups[0].ctx if groups else IterationContext()
+        for group in groups[1:]:
+            group.ctx = self.ctx
         self.name = type(modules[0]).__name__
         # For a list of modules: those whose forward has not finished yet.
         self._modules_to_run: set[int] = set()
@@ -135,13 +140,16 @@ class ModuleState:
                 module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             )
             self._hook_handles.append(module.register_forward_hook(self._post_forward_hook, prepend=False))
-        if group is not None:
-            # Saving or loading a state dict always sees the sharded parameters,
-            # even right after a forward that kept them unsharded (e.g. the root).
-            owners = {id(m): m for p in group.params for m, _ in p.owners}
-            for owner in owners.values():
-                owner.register_state_dict_pre_hook(lambda *_a, **_k: group.reshard_for_state_dict())  # type: ignore[no-untyped-call]
-                owner.register_load_state_dict_pre_hook(lambda *_a, **_k: group.reshard_for_state_dict())  # type: ignore[no-untyped-call]
+        # Saving or loading a state dict always sees the sharded parameters,
+        # even right after a forward that kept them unsharded (e.g. the root).
+        owners = {id(m): m for group in groups for p in group.params for m, _ in p.owners}
+        for owner in owners.values():
+            owner.register_state_dict_pre_hook(lambda *_a, **_k: self._reshard_for_state_dict())  # type: ignore[no-untyped-call]
+            owner.register_load_state_dict_pre_hook(lambda *_a, **_k: self._reshard_for_state_dict())  # type: ignore[no-untyped-call]
+
+    def _reshard_for_state_dict(self) -> None:
+        for group in self.groups:
+            group.reshard_for_state_dict()
 
     # ---- lazy init ------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -185,13 +193,16 @@ class ModuleState:
         ctx.states = states
         for state in states:
             state.ctx = ctx
-            if state.group is not None:
-                state.group.ctx = ctx
-                state.group.name = state.name if state is not self else f"{state.name} (root)"
-                state.group.reset_sharded_params()
-        if self.auto_reshard_after_forward and self.group is not None:
+            for i, group in enumerate(state.groups):
+                group.ctx = ctx
+                group.name = state.name if state is not self else f"{state.name} (root)"
+                if i:
+                    group.name += f" [mesh {i}]"
+                group.reset_sharded_params()
+        if self.auto_reshard_after_forward:
             # The root's backward starts right after its forward: keep its params.
-            self.group.set_reshard_after_forward(False)
+            for group in self.groups:
+                group.set_reshard_after_forward(False)
 
     # ---- forward --------------------------------------------------------------
     @dynamo_disable
@@ -217,16 +228,16 @@ class ModuleState:
                 args, kwargs = map_tensors(self._to_device, (args, kwargs))
             if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
                 args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
-            if self.group is not None:
-                self.group.pre_forward()
-                if torch.is_grad_enabled():
-                    args, kwargs = self._register_post_backward(args, kwargs)
+            for group in self.groups:
+                group.pre_forward()
+            if self.groups and torch.is_grad_enabled():
+                args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
     def post_forward(self, output: Any) -> Any:
         with trace(f"shardwise::post_forward ({self.name})"):
-            if self.group is not None:
-                self.group.post_forward()
+            for group in self.groups:
+                group.post_forward()
             if self.mp.output_dtype is not None:
                 output = cast_floats(output, self.mp.output_dtype)
             if torch.is_grad_enabled():
@@ -246,13 +257,14 @@ class ModuleState:
         ctx = self.ctx
         ctx.freeze_forward_order()
         for state in ctx.states:
-            group = state.group
-            if group is None or state is self:
+            if state is self:
                 continue
             if state._modules_to_run:  # a list-group some of whose modules never ran
                 state._modules_to_run.clear()
-                group.post_forward()
-            group.drop_unused_prefetch()
+                for group in state.groups:
+                    group.post_forward()
+            for group in state.groups:
+                group.drop_unused_prefetch()
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         inputs = _tensors_requiring_grad((args, kwargs))
@@ -269,13 +281,14 @@ class ModuleState:
         if not ctx.final_callback_queued and ctx.root is not None:
             ctx.final_callback_queued = True
             Variable._execution_engine.queue_callback(ctx.root.finalize_backward)
-        if self.group is not None:
+        if self.groups:
             with trace(f"shardwise::pre_backward ({self.name})"):
-                self.group.pre_backward()
+                for group in self.groups:
+                    group.pre_backward()
 
     def post_backward(self) -> None:
-        if self.group is not None:
-            self.group.post_backward()
+        for group in self.groups:
+            group.post_backward()
 
     @dynamo_disable
     def finalize_backward(self) -> None:
@@ -284,15 +297,15 @@ class ModuleState:
         with trace("shardwise::finalize_backward"):
             try:
                 for state in ctx.states:
-                    if state.group is not None:
-                        state.group.finalize_backward()
+                    for group in state.groups:
+                        group.finalize_backward()
                 # Gradients are installed at the end of every backward; the last
                 # one (set_is_last_backward) is where PyTorch waits on streams,
                 # which shardwise's async work handles make unnecessary.
                 ctx.drain(keep=0)
                 for state in ctx.states:
-                    if state.group is not None:
-                        state.group.wait_for_offloaded_grads()  # before the optimizer reads them
+                    for group in state.groups:
+                        group.wait_for_offloaded_grads()  # before the optimizer reads them
             finally:
                 ctx.post_forward_order.clear()
                 ctx.final_callback_queued = False
@@ -308,8 +321,8 @@ class ModuleState:
         ctx = self.ctx
         for state in ctx.states or [self]:
             state._modules_to_run.clear()
-            if state.group is not None:
-                state.group.abort_step()
+            for group in state.groups:
+                group.abort_step()
         ctx.abandon_pending()
         ctx.post_forward_order.clear()
         ctx.recording = []

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError
-from shardwise.mesh import MeshInfo, mesh_info, resolve_reshard_after_forward
+from shardwise.mesh import MeshInfo, mesh_info, mesh_info_of, replicate_info, resolve_reshard_after_forward
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from .module_state import ModuleState, state_of
@@ -40,7 +40,7 @@ def shard_modules(
     *,
     mesh: DeviceMesh,
     reshard_after_forward: bool | int | None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
     ignored_params: Any,
@@ -67,24 +67,27 @@ def shard_modules(
     # (requires_grad may still change until then).
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     storage_device = torch.device("cpu") if offload else info.device
-    params, sources = _make_sharded_params(collected, info, shard_placement_fn, storage_device)
+    planned = _make_sharded_params(collected, info, shard_placement_fn, storage_device)
     _move_buffers(modules, info.device)
 
-    group = None
+    groups: list[ParamGroup] = []
     desc = f"{type(modules[0]).__name__}"
-    if params:
-        # Pinned host shards let the host-to-device copy overlap compute (CUDA only).
-        pin = offload and offload_policy.pin_memory and torch.cuda.is_available()  # type: ignore[attr-defined]
+    # Pinned host shards let the host-to-device copy overlap compute (CUDA only).
+    pin = offload and offload_policy.pin_memory and torch.cuda.is_available()  # type: ignore[attr-defined]
+    for g_info, params, sources in planned:
+        g_raf = raf
+        if g_info is not info:  # another mesh: reshard_after_forward=<int> is checked against it
+            g_raf = bool(raf) if g_info.replicate_only else resolve_reshard_after_forward(raf, g_info)
         settings = GroupSettings(mp=mp_policy)
-        group = ParamGroup(params, sources, info, info.device, settings, raf, storage_device, desc, pin)
-    del sources  # never keep the full tensors alive
+        groups.append(ParamGroup(params, sources, g_info, info.device, settings, g_raf, storage_device, desc, pin))
+    del planned  # never keep the full tensors alive
     for orig, *_ in collected:
         _OWNED[orig] = desc
     for managed in _managed_modules(modules):
         # What PyTorch sets on every module it manages (dynamo and tools read them).
         managed._is_fsdp_managed_module = True  # type: ignore[assignment]
         managed._fsdp_use_orig_params = True  # type: ignore[assignment]
-    state = ModuleState(modules, group, mp_policy, auto, info.device)
+    state = ModuleState(modules, groups, mp_policy, auto, info.device)
     if conflicts:
         state.deferred_error = conflicts[0]
     return state
@@ -223,42 +226,84 @@ def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
                     sub._buffers[name] = buf.to(device)
 
 
+def _placement(
+    p: nn.Parameter, fqn: str, info: MeshInfo, fn: Callable[[nn.Parameter], Any] | None, infos: dict[int, MeshInfo]
+) -> tuple[MeshInfo, int]:
+    """Where ``p`` goes: its mesh layout and shard dim, from ``shard_placement_fn``'s
+    answer: None (``Shard(0)`` on ``mesh``), ``Shard(dim)``, ``Replicate()``
+    (whole on every rank of the 1-D ``mesh``, gradients all-reduced), or an
+    object with ``placement`` and ``mesh_info`` (PyTorch's
+    ``ShardPlacementResult``: another mesh for this parameter, e.g. experts).
+    ``infos`` caches the layout of each mesh-info object seen."""
+    result = fn(p) if fn is not None else None
+    placement: Any = result
+    if result is not None and hasattr(result, "placement") and hasattr(result, "mesh_info"):
+        placement = result.placement
+        key = id(result.mesh_info)
+        if key not in infos:
+            infos[key] = mesh_info_of(result.mesh_info)
+        info = infos[key]
+        if info.replicate_only and placement is None:
+            placement = Replicate()
+    if placement is None:
+        return info, 0
+    if isinstance(placement, Replicate):
+        if not info.replicate_only:
+            if info.spmd_mesh is not None or info.mesh.ndim != 1:
+                raise UnsupportedError(
+                    f"shard_placement_fn returned Replicate() for {fqn}: supported on a 1-D mesh "
+                    f"only, and fully_shard's mesh is {tuple(info.mesh.shape)}."
+                )
+            key = id(info.mesh)
+            if key not in infos:
+                infos[key] = replicate_info(info.mesh)
+            info = infos[key]
+        return info, 0
+    if not isinstance(placement, Shard):
+        raise ConfigTypeError(
+            f"shard_placement_fn must return Shard(dim), Replicate(), a ShardPlacementResult or None, "
+            f"got {placement!r} for {fqn}."
+        )
+    if info.replicate_only:
+        raise ConfigError(
+            f"shard_placement_fn gave {fqn} {placement} on a mesh that only replicates "
+            "(replicate_mesh_dim without shard_mesh_dim); give it Replicate() or a shard mesh dim."
+        )
+    dim = placement.dim if placement.dim >= 0 else placement.dim + p.ndim
+    if not 0 <= dim < p.ndim:
+        raise ConfigError(
+            f"shard_placement_fn returned Shard({placement.dim}) for {fqn} of shape "
+            f"{tuple(p.shape)}; the dim must be in [-{p.ndim}, {p.ndim})."
+        )
+    local_shape = (p._local_tensor if isinstance(p, DTensor) else p).shape
+    if dim != 0 and local_shape[dim] % info.shard_size != 0:
+        raise UnsupportedError(
+            f"FSDP does not support uneven sharding on dim {dim}: {fqn} has shape "
+            f"{tuple(p.shape)} and the shard group has {info.shard_size} ranks (as in "
+            "PyTorch). Shard it on dim 0, or on a dim its size divides evenly."
+        )
+    return info, dim
+
+
 def _make_sharded_params(
     collected: list[Collected],
     info: MeshInfo,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     storage_device: torch.device,
-) -> tuple[list[ShardedParam], list[torch.Tensor]]:
-    """One ``ShardedParam`` per collected parameter (its shard dim validated),
-    and the tensor each rank's shard is first copied from."""
-    params: list[ShardedParam] = []
-    sources: list[torch.Tensor] = []
+) -> list[tuple[MeshInfo, list[ShardedParam], list[torch.Tensor]]]:
+    """One ``ShardedParam`` per collected parameter (its placement validated),
+    grouped by the collectives its mesh layout uses (in order of appearance,
+    as PyTorch orders its parameter groups), each with the tensors the shards
+    are first copied from."""
+    infos: dict[int, MeshInfo] = {}
+    groups: dict[tuple[int, int], tuple[MeshInfo, list[ShardedParam], list[torch.Tensor]]] = {}
     for p, owners, fqn in collected:
-        dim = 0
-        if shard_placement_fn is not None:
-            placement = shard_placement_fn(p)
-            if placement is not None:
-                if not isinstance(placement, Shard):
-                    raise ConfigTypeError(
-                        f"shard_placement_fn must return Shard(dim) or None, got {placement!r} for {fqn}."
-                    )
-                dim = placement.dim if placement.dim >= 0 else placement.dim + p.ndim
-                if not 0 <= dim < p.ndim:
-                    raise ConfigError(
-                        f"shard_placement_fn returned Shard({placement.dim}) for {fqn} of shape "
-                        f"{tuple(p.shape)}; the dim must be in [-{p.ndim}, {p.ndim})."
-                    )
-                local_shape = (p._local_tensor if isinstance(p, DTensor) else p).shape
-                if dim != 0 and local_shape[dim] % info.shard_size != 0:
-                    raise UnsupportedError(
-                        f"FSDP does not support uneven sharding on dim {dim}: {fqn} has shape "
-                        f"{tuple(p.shape)} and the shard group has {info.shard_size} ranks (as in "
-                        "PyTorch). Shard it on dim 0, or on a dim its size divides evenly."
-                    )
-        params.append(ShardedParam(p, owners, info, dim, fqn))
+        p_info, dim = _placement(p, fqn, info, shard_placement_fn, infos)
+        entry = groups.setdefault(p_info.key, (p_info, [], []))
+        entry[1].append(ShardedParam(p, owners, p_info, dim, fqn))
         # This rank's first source: the TP-local tensor for DTensors.
         src = p._local_tensor if isinstance(p, DTensor) else p
         if src.device.type != "meta" and src.device != storage_device:
             src = src.detach().to(storage_device)
-        sources.append(src)
-    return params, sources
+        entry[2].append(src)
+    return list(groups.values())

@@ -97,13 +97,13 @@ def export(
     if not isinstance(model, nn.Module):
         raise ConfigTypeError(f"export: model must be an nn.Module, got {type(model).__name__}.")
     path = Path(os.path.abspath(path))
-    states = [s for s in states_under(model) if s.group is not None]
+    states = [s for s in states_under(model) if s.groups]
     sd = model.state_dict(keep_vars=True)
     # Which keys each group provides (by parameter identity); the rest are
     # plain tensors (buffers, unmanaged parameters) or other DTensors.
     owner: dict[int, tuple[int, Any]] = {}
     for i, s in enumerate(states):
-        for sp in s.group.params:  # type: ignore[union-attr]
+        for sp in (sp for g in s.groups for sp in g.params):
             owner[id(sp.sharded_param)] = (i, sp)
     per_group: list[list[tuple[str, Any]]] = [[] for _ in states]
     rest: list[str] = []

@@ -61,8 +61,8 @@ def _ensure_sharded(model: nn.Module) -> None:
     """The optimizer holds the sharded parameters: register them (a forward
     may have left the root's gathered ones registered)."""
     for state in states_under(model):
-        if state.group is not None:
-            state.group.reshard()
+        for group in state.groups:
+            group.reshard()
 
 
 def _names(model: nn.Module) -> dict[int, str]:
