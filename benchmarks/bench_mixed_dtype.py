@@ -6,6 +6,9 @@ adapters (rank 4) all train, sharded three ways, in one launch:
 * ``shardwise_separate`` - shardwise with the workaround PyTorch needs: every
   adapter pair wrapped in its own ``fully_shard`` (so each group's trainable
   parameters share one dtype), then the blocks, then the root;
+* ``shardwise_per_dtype`` - as ``shardwise_together``, but each group gathers
+  its two dtypes in two all-gathers (``GroupSettings.all_gather_per_dtype``,
+  an engine knob) instead of one packed byte buffer;
 * ``torch_separate`` - PyTorch's ``fully_shard`` with that same workaround
   (PyTorch 2.13 refuses the ``together`` layout: "FSDP expects uniform
   original parameter dtype").
@@ -44,7 +47,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 if importlib.util.find_spec("shardwise") is None:  # not pip-installed: use the source tree
     sys.path.insert(0, str(SRC))
 
-CONFIGS = ("shardwise_together", "shardwise_separate", "torch_separate")
+CONFIGS = ("shardwise_together", "shardwise_per_dtype", "shardwise_separate", "torch_separate")
 BASELINE = "torch_separate"
 
 
@@ -120,6 +123,12 @@ def shard(config: str, model: Net) -> None:
     if separate:
         fully_shard(model.head.lora)
     fully_shard(model)
+    if config == "shardwise_per_dtype":
+        for m in model.modules():
+            state = getattr(m, "_get_fsdp_state", None)
+            if state is not None:
+                for group in state().groups:
+                    group.settings.all_gather_per_dtype = True
 
 
 def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir: str) -> None:

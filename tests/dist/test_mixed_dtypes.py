@@ -550,3 +550,33 @@ def test_checkpoints_of_two_trainable_dtypes_reshard_keeping_dtypes(tmp_path):
         _assert_same(optim, saved_optim, f"optimizer state loaded at {ws} ranks", **EXACT)
     exported_tensors = load_file(exported)
     _assert_same(exported_tensors, saved_params, "export", **EXACT)
+
+
+@multi_rank(world_sizes=(2,))
+def test_one_all_gather_per_dtype_gives_the_same_training():
+    """The engine's alternative to packing (one all-gather per dtype present,
+    ``GroupSettings.all_gather_per_dtype``, measured in
+    benchmarks/bench_mixed_dtype.py): the same numbers as the packed
+    default and the unsharded copy, with a bf16 and an fp32 all-gather per
+    group unshard instead of one of bytes."""
+    from shardwise.testing.training import parity_train
+
+    models = []
+
+    def shard(model):
+        models.append(_shard(model, _fully_shards()[0]))
+        for m in models[0].modules():
+            state = getattr(m, "_get_fsdp_state", None)
+            if state is not None:
+                for group in state().groups:
+                    group.settings.all_gather_per_dtype = True
+
+    parity_train(lambda: _lora_net(trainable_base=True), shard, _batch, _loss, steps=STEPS)
+    (model,) = models
+    with CollectiveLog() as rec:
+        _loss(model(_x(9)), _batch(9, dist.get_rank())[1]).backward()
+    counts = Counter(rec.log)
+    unshards = 1 + 2 * len(model.blocks)  # the root once, each block in forward and backward
+    assert counts[("_allgather_base_", BF16, 2)] == unshards, counts
+    assert counts[("_allgather_base_", torch.float32, 2)] == unshards, counts
+    assert counts[("_allgather_base_", torch.uint8, 2)] == 0, counts

@@ -216,7 +216,9 @@ class ParamGroup:
         self._partial: dict[tuple[int, ...], torch.Tensor] = {}
         self._post_forward_data: torch.Tensor | None = None
         self._offload_events: list[Any] = []  # gradient copies to the host in flight
-        self._in_flight: coll.AllGatherResult | coll.PackedGatherResult | None = None
+        self._in_flight: coll.AllGatherResult | tuple[coll.PackedGatherResult, ...] | None = None
+        # Where each packed input's gathered view is: (collective, index in it).
+        self._packed_order: list[tuple[int, int]] = []
         self._packed_dtypes: list[torch.dtype] = []
         self.training_state = TrainingState.IDLE
         self.post_forward_indices: list[int] = []
@@ -330,9 +332,11 @@ class ParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
-    def _start_packed_all_gather(self, dtypes: list[torch.dtype]) -> coll.PackedGatherResult:
+    def _start_packed_all_gather(self, dtypes: list[torch.dtype]) -> tuple[coll.PackedGatherResult, ...]:
         """Several gather dtypes (e.g. frozen bf16 weights beside fp32 adapters)
-        or all-gather extensions: one collective over what each parameter sends."""
+        or all-gather extensions: one collective over what each parameter sends
+        (packed as bytes), or with ``settings.all_gather_per_dtype`` one per
+        dtype sent."""
         inputs: list[torch.Tensor] = []
         self._packed_dtypes = dtypes
         for p, dtype in zip(self.params, dtypes):
@@ -340,13 +344,24 @@ class ParamGroup:
                 inputs.extend(p.extension_inputs(p.owners[0][0], self.settings.mp, self.device))
             else:
                 inputs.append(p.sharded_data.reshape(-1).to(device=self.device, dtype=dtype, non_blocking=True))
-        return coll.start_packed_all_gather(
-            self.settings.all_gather_comm, inputs, self.info.shard_size, self.info.shard_group, self.device,
-            self.name,
-        )
+        buckets: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(inputs):
+            buckets.setdefault(t.dtype if self.settings.all_gather_per_dtype else torch.uint8, []).append(i)
+        order: list[tuple[int, int]] = [(0, 0)] * len(inputs)
+        results = []
+        for b, indices in enumerate(buckets.values()):
+            for j, i in enumerate(indices):
+                order[i] = (b, j)
+            results.append(coll.start_packed_all_gather(
+                self.settings.all_gather_comm, [inputs[i] for i in indices], self.info.shard_size,
+                self.info.shard_group, self.device, self.name,
+            ))
+        self._packed_order = order
+        return tuple(results)
 
-    def _finish_packed_all_gather(self, result: coll.PackedGatherResult) -> None:
-        views = iter(coll.finish_packed_all_gather(result, self.name))
+    def _finish_packed_all_gather(self, results: tuple[coll.PackedGatherResult, ...]) -> None:
+        gathered = [coll.finish_packed_all_gather(r, self.name) for r in results]
+        views = iter([gathered[b][j] for b, j in self._packed_order])
         num = self.info.shard_size
         for p, dtype in zip(self.params, self._packed_dtypes):
             if p.has_extensions:
@@ -391,15 +406,15 @@ class ParamGroup:
             return
         self._in_flight = None
         with trace(f"shardwise::all_gather_copy_out ({self.name})"):
-            if isinstance(result, coll.PackedGatherResult):
-                self._finish_packed_all_gather(result)
-            else:
+            if isinstance(result, coll.AllGatherResult):
                 dtype = result.output.dtype
                 if self.plan.fast:
                     fulls = self._unsharded_fast(dtype)
                 else:
                     fulls = [p.ensure_unsharded(dtype, self.device) for p in self.params]
                 coll.finish_all_gather(result, fulls, self.name, self.ctx.pool)
+            else:
+                self._finish_packed_all_gather(result)
         self._post_forward_data = None
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:

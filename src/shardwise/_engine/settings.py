@@ -50,6 +50,9 @@ class GroupSettings:
     keep_low_precision_grads: bool = False
     # Reduce zeros for trainable parameters without a gradient this backward.
     reduce_scatter_unused_params: bool = False
+    # Groups of several dtypes: one all-gather per dtype instead of one packed
+    # byte buffer (an engine knob for benchmarks; packing measured faster).
+    all_gather_per_dtype: bool = False
     all_gather_comm: AllGather = field(default_factory=DefaultAllGather)
     reduce_scatter_comm: ReduceScatter = field(default_factory=DefaultReduceScatter)
 
