@@ -521,7 +521,14 @@ def _mixed_train_and_save(path, export_to):
         opt.zero_grad()
     checkpoint.save(path, model, opt)
     checkpoint.export(export_to, model)
-    return _full_model_and_optim(model, opt)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    params, optim = _full_model_and_optim(model, opt)
+    _assert_same({k: v for k, v in full.items()}, params, "full state dict", **EXACT)
+    sharded = model.state_dict()
+    assert {k: v.dtype for k, v in sharded.items()} == {k: v.dtype for k, v in params.items()}
+    return params, optim
 
 
 def _mixed_load(path):
@@ -537,7 +544,8 @@ def test_checkpoints_of_two_trainable_dtypes_reshard_keeping_dtypes(tmp_path):
     """A model whose groups train bf16 weights and fp32 adapters together:
     saved (model + AdamW state) at 4 ranks, loaded at 2 and 1, every
     parameter and optimizer-state tensor comes back in its own dtype with
-    the same values; the safetensors export keeps each dtype too."""
+    the same values; the full and sharded state dicts and the safetensors
+    export keep each dtype too."""
     from shardwise.checkpoint.safetensors_format import load_file
     from shardwise.testing import run_on_ranks
 
