@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -19,6 +21,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def spawn_ranks(worker: Callable[..., None], config: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``worker(rank, config, args, port, out_dir)`` on ``args.nproc`` fresh
+    processes; each writes ``rank{r}.json`` (with ``error`` and its time ``t``
+    on failure). Returns ``{"ranks": [...]}`` or ``{"error": ...}``, the
+    earliest error (later ones are usually peers losing their link)."""
+    with tempfile.TemporaryDirectory(prefix=f"bench_{config}_") as tmp:
+        try:
+            mp.spawn(worker, args=(config, args, free_port(), tmp), nprocs=args.nproc, join=True)
+        except Exception as exc:  # noqa: BLE001 - report, and go on with the next config
+            errors = [json.loads(f.read_text()) for f in Path(tmp).glob("rank*.json")]
+            errors = sorted((e for e in errors if "error" in e), key=lambda e: e.get("t", 0.0))
+            msg = errors[0]["error"] if errors else f"{type(exc).__name__}: {exc}"
+            return {"error": f"failed: {(msg.splitlines() or ['?'])[0]}"}
+        return {"ranks": [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.nproc)]}
 
 
 def run_repeats(

@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,10 +36,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import free_port, run_repeats, write_json
+from _common import run_repeats, spawn_ranks, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -159,7 +157,7 @@ def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir:
         result = {"step_ms": 1e3 * statistics.median(times), "collectives": dict(counter.counts)}
         result["collectives_total"] = sum(counter.counts.values())
     except BaseException as exc:
-        out.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        out.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}", "t": time.time()}))
         raise
     finally:
         if dist.is_initialized():
@@ -168,15 +166,7 @@ def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir:
 
 
 def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.start_processes(worker, args=(config, args, free_port(), tmp), nprocs=args.nproc,
-                               start_method="spawn")
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            return {"error": f"failed: {type(exc).__name__}: {exc}"}
-        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.nproc)]
-    errors = [r["error"] for r in ranks if "error" in r]
-    return {"error": errors[0]} if errors else {"ranks": ranks}
+    return spawn_ranks(worker, config, args)
 
 
 def main(argv: list[str] | None = None) -> int:

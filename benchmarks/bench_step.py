@@ -53,7 +53,6 @@ import json
 import resource
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -61,8 +60,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import free_port, run_repeats, write_json
+from _common import run_repeats, spawn_ranks, write_json
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if importlib.util.find_spec("shardwise") is None:  # not pip-installed: use the source tree
@@ -264,17 +262,7 @@ def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
             shardwise_api()
         except Exception as exc:  # noqa: BLE001 - any import failure means "not there yet"
             return {"error": f"unavailable: {type(exc).__name__}: {exc}"}
-    with tempfile.TemporaryDirectory(prefix=f"bench_{config}_") as tmp:
-        try:
-            mp.spawn(worker, args=(config, args, free_port(), tmp), nprocs=args.nproc, join=True)
-        except Exception as exc:  # noqa: BLE001 - report, and go on with the next config
-            # the earliest error is the cause; later ones are usually peers losing their link
-            errors = [json.loads(f.read_text()) for f in Path(tmp).glob("rank*.json")]
-            errors = sorted((e for e in errors if "error" in e), key=lambda e: e["t"])
-            msg = errors[0]["error"] if errors else f"{type(exc).__name__}: {exc}"
-            return {"error": f"failed: {(msg.splitlines() or ['?'])[0]}"}
-        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.nproc)]
-    return {"ranks": ranks}
+    return spawn_ranks(worker, config, args)
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -92,6 +92,16 @@ def replicate_grads(model: nn.Module, group: dist.ProcessGroup | None = None) ->
             offset += numel
 
 
+def _whole_values(model: nn.Module, grads: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each parameter's whole value (and gradient, if ``grads`` and it has one), by name."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            grad = param.grad
+            out[name] = (full_tensor(param.detach()), full_tensor(grad) if grads and grad is not None else None)
+    return out
+
+
 def assert_models_match(
     model: nn.Module,
     ref_model: nn.Module,
@@ -131,23 +141,9 @@ def assert_models_match(
         raise ValueError("rtol and atol must be given together (or both left out)")
 
     # Gather everything first: a failure must not leave peers in a collective.
-    params: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            grad = param.grad
-            params[name] = (
-                full_tensor(param.detach()),
-                full_tensor(grad) if check_grads and grad is not None else None,
-            )
-    # The reference may be sharded too (PyTorch's FSDP as the reference): whole values.
-    ref_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    with torch.no_grad():
-        for name, param in ref_model.named_parameters():
-            grad = param.grad
-            ref_params[name] = (
-                full_tensor(param.detach()),
-                full_tensor(grad) if check_grads and grad is not None else None,
-            )
+    # The reference may be sharded too (PyTorch's FSDP as the reference).
+    params = _whole_values(model, check_grads)
+    ref_params = _whole_values(ref_model, check_grads)
 
     problems: list[str] = []
     missing = [name for name in ref_params if name not in params]
