@@ -199,8 +199,11 @@ class ParamGroup:
         self.subgroup: SubgroupInfo | None = None
         self.post_forward_flat: FlatLayout | None = None
         self.set_reshard_after_forward(reshard_after_forward)
-        # ---- sharded storage and plan (see _init_storage)
+        # ---- sharded storage and plan (see _init_storage): the flat buffer of
+        # each dtype with its parameters' indices and layout; the only one's
+        # buffer again as ``flat_sharded`` when the group has one dtype.
         self.flat_sharded: torch.Tensor | None = None
+        self.flat_by_dtype: list[tuple[torch.Tensor, list[int], FlatLayout]] = []
         self.plan = GroupPlan(params, False)
         self._init_storage(sources)
         # ---- runtime state
@@ -216,7 +219,9 @@ class ParamGroup:
         self._partial: dict[tuple[int, ...], torch.Tensor] = {}
         self._post_forward_data: torch.Tensor | None = None
         self._offload_events: list[Any] = []  # gradient copies to the host in flight
-        self._in_flight: coll.AllGatherResult | tuple[coll.PackedGatherResult, ...] | None = None
+        self._in_flight: (
+            coll.AllGatherResult | tuple[coll.PackedGatherResult, ...] | tuple[coll.AllGatherResult, ...] | None
+        ) = None
         # Where each packed input's gathered view is: (collective, index in it).
         self._packed_order: list[tuple[int, int]] = []
         self._packed_dtypes: list[torch.dtype] = []
@@ -257,24 +262,32 @@ class ParamGroup:
 
     # ---- sharded storage ------------------------------------------------------
     def _init_storage(self, sources: list[torch.Tensor]) -> None:
-        """Lay every shard out in one flat buffer when dtypes agree (so the
-        all-gather input needs no copy-in), else one buffer per parameter (of
-        the source's own tensor type, so all-gather extensions keep theirs);
-        then plan the group's collectives."""
-        dtypes = {src.dtype for src in sources}
+        """Lay the shards out in one flat buffer per dtype (one in all when
+        dtypes agree: the all-gather input needs no copy-in), or, for tensor
+        subclasses (all-gather extensions), one buffer per parameter of the
+        source's own type; then plan the group's collectives."""
         device = self.storage_device
         if any(src.device.type == "meta" for src in sources):
             device = torch.device("meta")
-        plain = all(type(src) in (torch.Tensor, nn.Parameter) for src in sources)
-        flat_layout = FlatLayout.of([p.layout for p in self.params])
-        if len(dtypes) == 1 and plain:
-            pin = self.pin_memory and device.type == "cpu"
-            flat = torch.empty(flat_layout.total, dtype=dtypes.pop(), device=device, pin_memory=pin)
-            self.flat_sharded = flat
-            offs = flat_layout.offsets
-            views = [flat[a:b].view(p.layout.padded_shape) for p, a, b in zip(self.params, offs, offs[1:])]
+        pin = self.pin_memory and device.type == "cpu"
+        self.flat_sharded = None
+        self.flat_by_dtype = []
+        views: list[torch.Tensor] = []
+        if all(type(src) in (torch.Tensor, nn.Parameter) for src in sources):
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i, src in enumerate(sources):
+                by_dtype.setdefault(src.dtype, []).append(i)
+            views = [torch.empty(0)] * len(sources)
+            for dtype, indices in by_dtype.items():
+                flat_layout = FlatLayout.of([self.params[i].layout for i in indices])
+                buf = torch.empty(flat_layout.total, dtype=dtype, device=device, pin_memory=pin)
+                offs = flat_layout.offsets
+                for i, a, b in zip(indices, offs, offs[1:]):
+                    views[i] = buf[a:b].view(self.params[i].layout.padded_shape)
+                self.flat_by_dtype.append((buf, indices, flat_layout))
+            if len(by_dtype) == 1:
+                self.flat_sharded = self.flat_by_dtype[0][0]
         else:
-            self.flat_sharded = None
             # new_zeros, as PyTorch pads: the op subclasses preserve (torchao's float8 weights).
             views = [s.new_zeros(p.layout.padded_shape, device=device) for p, s in zip(self.params, sources)]
         for p, view, src in zip(self.params, views, sources):
@@ -326,9 +339,21 @@ class ParamGroup:
                         self.name, False, self.ctx.pool,
                     )
                 else:
-                    self._in_flight = self._start_packed_all_gather(
-                        [self.gather_dtype(p, full_precision) for p in self.params]
-                    )
+                    dtypes = [self.gather_dtype(p, full_precision) for p in self.params]
+                    if (
+                        self.settings.all_gather_per_dtype and self.flat_by_dtype
+                        and all(d == p.orig_dtype for d, p in zip(dtypes, self.params))
+                    ):
+                        # One all-gather per dtype, straight from its flat buffer.
+                        self._in_flight = tuple(
+                            coll.start_all_gather(
+                                comm, buf, flat, self.info.shard_group, buf.dtype, self.device, self.name,
+                                False, self.ctx.pool,
+                            )
+                            for buf, _, flat in self.flat_by_dtype
+                        )
+                    else:
+                        self._in_flight = self._start_packed_all_gather(dtypes)
         if not async_op:
             self.wait_for_unshard()
 
@@ -336,7 +361,8 @@ class ParamGroup:
         """Several gather dtypes (e.g. frozen bf16 weights beside fp32 adapters)
         or all-gather extensions: one collective over what each parameter sends
         (packed as bytes), or with ``settings.all_gather_per_dtype`` one per
-        dtype sent."""
+        dtype sent (when casts or extensions rule out gathering each dtype's
+        flat buffer as it is)."""
         inputs: list[torch.Tensor] = []
         self._packed_dtypes = dtypes
         for p, dtype in zip(self.params, dtypes):
@@ -413,8 +439,13 @@ class ParamGroup:
                 else:
                     fulls = [p.ensure_unsharded(dtype, self.device) for p in self.params]
                 coll.finish_all_gather(result, fulls, self.name, self.ctx.pool)
+            elif all(isinstance(r, coll.AllGatherResult) for r in result):
+                gathers = cast(tuple[coll.AllGatherResult, ...], result)
+                for r, (_, indices, _) in zip(gathers, self.flat_by_dtype):
+                    fulls = [self.params[i].ensure_unsharded(r.output.dtype, self.device) for i in indices]
+                    coll.finish_all_gather(r, fulls, self.name, self.ctx.pool)
             else:
-                self._finish_packed_all_gather(result)
+                self._finish_packed_all_gather(cast(tuple[coll.PackedGatherResult, ...], result))
         self._post_forward_data = None
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
