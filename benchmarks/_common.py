@@ -8,11 +8,13 @@ import json
 import socket
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -21,6 +23,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def write_rank_result(out: Path, measure: Callable[[], dict[str, Any]]) -> None:
+    """Run one rank's ``measure()`` and write its result, or its error with
+    the time it happened (``spawn_ranks`` reports the earliest), to ``out``;
+    the process group is destroyed either way."""
+    try:
+        result = measure()
+    except BaseException as exc:
+        out.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}".strip(), "t": time.time()}))
+        traceback.print_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out.write_text(json.dumps(result))
 
 
 def spawn_ranks(worker: Callable[..., None], config: str, args: argparse.Namespace) -> dict[str, Any]:

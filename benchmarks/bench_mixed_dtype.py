@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import run_repeats, spawn_ranks, write_json
+from _common import run_repeats, spawn_ranks, write_json, write_rank_result
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -131,38 +130,34 @@ def shard(config: str, model: Net) -> None:
 
 def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    out = Path(out_dir) / f"rank{rank}.json"
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=args.nproc, timeout=datetime.timedelta(seconds=600))
-        torch.manual_seed(0)
-        model = Net(args.dim, args.layers, args.rank)
-        shard(config, model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(args.tokens, args.dim, generator=g)
-        y = torch.randn(args.tokens, args.dim, generator=g)
+    write_rank_result(Path(out_dir) / f"rank{rank}.json", lambda: _measure(rank, config, args, port))
 
-        def step() -> float:
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            return time.perf_counter() - t0
 
-        times = [step() for _ in range(args.warmup + args.steps)][args.warmup:]
-        with CountCollectives() as counter:
-            step()
-        result = {"step_ms": 1e3 * statistics.median(times), "collectives": dict(counter.counts)}
-        result["collectives_total"] = sum(counter.counts.values())
-    except BaseException as exc:
-        out.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}", "t": time.time()}))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    out.write_text(json.dumps(result))
+def _measure(rank: int, config: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.nproc, timeout=datetime.timedelta(seconds=600))
+    torch.manual_seed(0)
+    model = Net(args.dim, args.layers, args.rank)
+    shard(config, model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.tokens, args.dim, generator=g)
+    y = torch.randn(args.tokens, args.dim, generator=g)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    times = [step() for _ in range(args.warmup + args.steps)][args.warmup:]
+    with CountCollectives() as counter:
+        step()
+    result = {"step_ms": 1e3 * statistics.median(times), "collectives": dict(counter.counts)}
+    result["collectives_total"] = sum(counter.counts.values())
+    return result
 
 
 def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -49,18 +49,16 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, here and in eve
 import argparse
 import datetime
 import importlib.util
-import json
 import resource
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import run_repeats, spawn_ranks, write_json
+from _common import run_repeats, spawn_ranks, write_json, write_rank_result
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if importlib.util.find_spec("shardwise") is None:  # not pip-installed: use the source tree
@@ -195,64 +193,58 @@ def count_all_gather_bytes() -> None:
 def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir: str) -> None:
     """One rank of one config: train, time, measure, write ``rank{rank}.json`` to ``out_dir``."""
     torch.set_num_threads(1)
-    out = Path(out_dir) / f"rank{rank}.json"
-    try:
-        if config != "local":
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=args.nproc,
-                timeout=datetime.timedelta(seconds=args.timeout),
-            )
-        cfg = GPTConfig(
-            vocab_size=args.vocab, seq_len=args.seq_len, dim=args.dim,
-            n_layers=args.layers, n_heads=args.heads,
+    write_rank_result(Path(out_dir) / f"rank{rank}.json", lambda: _measure(rank, config, args, port))
+
+
+def _measure(rank: int, config: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
+    if config != "local":
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=args.nproc,
+            timeout=datetime.timedelta(seconds=args.timeout),
         )
-        base_rss_mib = _current_rss_mib()
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        n_params = model.num_params()
-        if hasattr(dist, "all_gather_single"):
-            count_all_gather_bytes()
-        model = wrap(config, model, args, args.nproc)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        batches = [
-            synthetic_batch(cfg, args.batch_size, seed=i, rank=rank)
-            for i in range(args.warmup + args.steps)
-        ]
-        times, losses = [], []
-        for i, (inputs, targets) in enumerate(batches):
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = GPT.loss(model(inputs), targets)
-            loss.backward()
-            opt.step()
-            elapsed = time.perf_counter() - t0
-            losses.append(loss.item())
-            if i == args.warmup - 1:
-                _AG_BYTES[0] = 0
-            if i >= args.warmup:
-                times.append(elapsed)
-        result = {
-            "step_ms": 1e3 * statistics.median(times),
-            "peak_rss_mib": (peak := resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "rss_growth_mib": peak - base_rss_mib,
-            "state_mib": model_state_bytes(model, opt) / MIB,
-            "ag_mib_per_step": _AG_BYTES[0] / MIB / args.steps,
-            "num_params": n_params,
-            "first_loss": losses[0],
-            "last_loss": losses[-1],
-        }
-    except BaseException as exc:
-        error = f"{type(exc).__name__}: {exc}".strip()
-        out.write_text(json.dumps({"error": error, "t": time.time()}))
-        traceback.print_exc()
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    out.write_text(json.dumps(result))
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq_len, dim=args.dim,
+        n_layers=args.layers, n_heads=args.heads,
+    )
+    base_rss_mib = _current_rss_mib()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    n_params = model.num_params()
+    if hasattr(dist, "all_gather_single"):
+        count_all_gather_bytes()
+    model = wrap(config, model, args, args.nproc)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [
+        synthetic_batch(cfg, args.batch_size, seed=i, rank=rank)
+        for i in range(args.warmup + args.steps)
+    ]
+    times, losses = [], []
+    for i, (inputs, targets) in enumerate(batches):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = GPT.loss(model(inputs), targets)
+        loss.backward()
+        opt.step()
+        elapsed = time.perf_counter() - t0
+        losses.append(loss.item())
+        if i == args.warmup - 1:
+            _AG_BYTES[0] = 0
+        if i >= args.warmup:
+            times.append(elapsed)
+    result = {
+        "step_ms": 1e3 * statistics.median(times),
+        "peak_rss_mib": (peak := resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "rss_growth_mib": peak - base_rss_mib,
+        "state_mib": model_state_bytes(model, opt) / MIB,
+        "ag_mib_per_step": _AG_BYTES[0] / MIB / args.steps,
+        "num_params": n_params,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+    return result
 
 
 def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
