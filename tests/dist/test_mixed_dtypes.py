@@ -589,3 +589,29 @@ def test_one_all_gather_per_dtype_gives_the_same_training():
     assert counts[("_allgather_base_", BF16, 2)] == unshards, counts
     assert counts[("_allgather_base_", torch.float32, 2)] == unshards, counts
     assert counts[("_allgather_base_", torch.uint8, 2)] == 0, counts
+
+
+@multi_rank(world_sizes=(4,))
+def test_hsdp_partial_all_reduce_with_two_trainable_dtypes():
+    """HSDP (2 replicas x 2 shards) on the trainable bf16 + fp32 model with
+    set_requires_all_reduce(False) for a micro-batch: the reduce-scattered
+    sums of each dtype wait for the next backward's all-reduce, then the
+    gradients (each in its dtype) equal the unsharded copy's accumulated
+    ones. bf16 tolerance: the ulp of the per-rank summands, as above."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    ref = _lora_net(trainable_base=True)
+    model = _shard(copy.deepcopy(ref), _fully_shards()[0], mesh=mesh)
+    rank = dist.get_rank()
+    for micro in range(2):
+        model.set_requires_all_reduce(micro == 1)
+        x, y = _batch(micro, rank)
+        _loss(model(x), y).backward()
+        _loss(ref(x), y).backward()
+    replicate_grads(ref)
+    assert_models_match(model, ref, rtol=1.6e-2, atol=2e-3)
+    assert {n: p.grad.dtype for n, p in model.named_parameters()} == {
+        n: p.dtype for n, p in model.named_parameters()
+    }
