@@ -41,6 +41,7 @@ __all__ = [
     "SafetensorsWriter",
     "TensorEntry",
     "load_file",
+    "model_files",
     "read_box",
     "read_header",
     "read_tensor",
@@ -430,3 +431,48 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     with open(path, "rb") as f:
         header = read_header(f, str(path))
         return {name: read_tensor(f, header, name, str(path)) for name in header.entries}
+
+
+#: A Hugging Face model directory's weights: one file, or shards listed by an index.
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+
+def model_files(path: str | os.PathLike[str]) -> dict[Path, set[str] | None]:
+    """The safetensors files holding a model's weights at ``path``: the file
+    itself, or in a Hugging Face model directory ``model.safetensors`` or the
+    shards ``model.safetensors.index.json`` lists, each with the names the
+    index assigns to it (None: whatever its header holds).
+
+    Raises:
+        CheckpointError: ``path`` is neither a file nor such a directory, or
+            the index is malformed or names a missing shard.
+    """
+    root = Path(path)
+    if root.is_file():
+        return {root: None}
+    if not root.is_dir():
+        raise CheckpointError(f"{str(root)!r} does not exist: pass a safetensors file or a Hugging Face model directory.")
+    index = root / HF_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc}).") from exc
+        files: dict[Path, set[str] | None] = {}
+        for name, file in weight_map.items():
+            shard = root / str(file)
+            if not shard.is_file():
+                raise CheckpointError(f"{index} names {str(file)!r} for {name!r}, which is missing from {root}.")
+            names = files.setdefault(shard, set())
+            if names is not None:
+                names.add(str(name))
+        return files
+    if (root / HF_SINGLE).is_file():
+        return {root / HF_SINGLE: None}
+    raise CheckpointError(
+        f"{str(root)!r} is a directory without {HF_SINGLE} or {HF_INDEX}: pass a safetensors file or a "
+        "Hugging Face model directory (a sharded shardwise checkpoint loads with checkpoint.load)."
+    )

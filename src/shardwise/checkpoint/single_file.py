@@ -181,7 +181,9 @@ def local_box(value: DTensor) -> tuple[list[int], list[int]]:
 
 def load_from_file(path: str | os.PathLike[str], model: nn.Module, *, strict: bool = True) -> None:
     """Initialise ``model`` (sharded or plain) from a ``safetensors`` file such as
-    :func:`export` writes (or any with the model's state-dict names).
+    :func:`export` writes (or any with the model's state-dict names), or from
+    a Hugging Face model directory (``model.safetensors``, or the shards a
+    ``model.safetensors.index.json`` lists, as ``save_pretrained`` writes).
 
     Collective in effect (every rank must call it; no communication besides
     agreeing on errors). Each rank reads the header and then only its own
@@ -193,7 +195,7 @@ def load_from_file(path: str | os.PathLike[str], model: nn.Module, *, strict: bo
     ``safetensors.torch.save_model`` keep one name per tied weight).
 
     Args:
-        path: the safetensors file.
+        path: the safetensors file, or a Hugging Face model directory.
         model: the model to initialise in place.
         strict: refuse files with names the model does not have. Missing
             names are always an error. (Default: ``True``)
@@ -215,61 +217,73 @@ def load_from_file(path: str | os.PathLike[str], model: nn.Module, *, strict: bo
 
 
 def _read_shards(path: Path, model: nn.Module, sd: dict[str, Any], strict: bool) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise CheckpointError(
-            f"load_from_file: {str(path)!r} " + ("is a directory (a sharded checkpoint loads with load)" if path.is_dir() else "does not exist") + "."
-        )
+    files = st.model_files(path)
+    with contextlib.ExitStack() as stack:
+        # Every file's header; each name read from the file that holds it.
+        opened: dict[str, tuple[Any, st.SafetensorsHeader, str]] = {}
+        for file, names in files.items():
+            f = stack.enter_context(open(file, "rb"))
+            header = st.read_header(f, str(file))
+            for name in header.entries if names is None else names:
+                if name not in header.entries:
+                    raise CheckpointError(f"{file}: the index puts {name!r} here but the file does not hold it.")
+                opened[name] = (f, header, str(file))
+        return _read_from(opened, str(path), model, sd, strict)
+
+
+def _read_from(
+    opened: dict[str, tuple[Any, st.SafetensorsHeader, str]], where: str, model: nn.Module, sd: dict[str, Any],
+    strict: bool,
+) -> dict[str, torch.Tensor]:
     # Keys naming the same tensor (tied weights): any one of them in the file will do.
     by_tensor: dict[int, list[str]] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         by_tensor.setdefault(id(value), []).append(key)
     aliases = {k: names for names in by_tensor.values() for k in names}
-    with open(path, "rb") as f:
-        where = f"{path}"
-        header = st.read_header(f, where)
-        present = set(header.entries)
-        missing = [k for k in sd if not any(a in present for a in aliases.get(k, [k]))]
-        unexpected = sorted(present - set(sd)) if strict else []
-        problems = []
-        if missing:
-            problems.append(f"missing from the file: {listing(missing)}")
-        if unexpected:
-            problems.append(f"in the file but not in the model: {listing(unexpected)}")
-        for key, value in sd.items():
-            source = next((a for a in aliases.get(key, [key]) if a in present), None)
-            if source is None:
-                continue
-            entry = header.entries[source]
-            if not isinstance(value, torch.Tensor):
-                problems.append(f"{key!r} is not a tensor in the model")
-            elif entry.shape != tuple(value.shape):
-                problems.append(f"{key!r} has shape {list(entry.shape)} in the file but {list(value.shape)} in the model")
-        if problems:
-            raise CheckpointError(f"{where} does not fit this model: " + "; ".join(problems) + ".")
-        out: dict[str, torch.Tensor] = {}
-        done: dict[str, torch.Tensor] = {}
-        for key, value in sd.items():
-            # Its own name if the file has it, else a tied name the file has.
-            source = key if key in present else next(a for a in aliases.get(key, [key]) if a in present)
-            if source not in done:
-                if isinstance(value, DTensor):
-                    offset, size = local_box(value)
-                    done[source] = st.read_box(f, header, source, offset, size, where)
-                else:
-                    done[source] = st.read_tensor(f, header, source, where)
-            local = done[source].to(
-                device=(value.to_local() if isinstance(value, DTensor) else value).device, dtype=value.dtype
-            )
+    present = set(opened)
+    missing = [k for k in sd if not any(a in present for a in aliases.get(k, [k]))]
+    unexpected = sorted(present - set(sd)) if strict else []
+    problems = []
+    if missing:
+        problems.append(f"missing from the file: {listing(missing)}")
+    if unexpected:
+        problems.append(f"in the file but not in the model: {listing(unexpected)}")
+    for key, value in sd.items():
+        source = next((a for a in aliases.get(key, [key]) if a in present), None)
+        if source is None:
+            continue
+        entry = opened[source][1].entries[source]
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{key!r} is not a tensor in the model")
+        elif entry.shape != tuple(value.shape):
+            problems.append(f"{key!r} has shape {list(entry.shape)} in the file but {list(value.shape)} in the model")
+    if problems:
+        raise CheckpointError(f"{where} does not fit this model: " + "; ".join(problems) + ".")
+    out: dict[str, torch.Tensor] = {}
+    done: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        # Its own name if the file has it, else a tied name the file has.
+        source = key if key in present else next(a for a in aliases.get(key, [key]) if a in present)
+        if source not in done:
+            f, header, file = opened[source]
             if isinstance(value, DTensor):
-                out[key] = dtensor_like(value, local)
+                offset, size = local_box(value)
+                done[source] = st.read_box(f, header, source, offset, size, file)
             else:
-                out[key] = local
-        for names in by_tensor.values():
-            sources = [n for n in names if n in done]
-            for other in sources[1:]:
-                if not torch.equal(done[other], done[sources[0]]):
-                    raise CheckpointError(
-                        f"{where}: {sources[0]!r} and {other!r} are one tied tensor in the model but differ "
-                        "in the file (saved from an untied model?)."
-                    )
+                done[source] = st.read_tensor(f, header, source, file)
+        local = done[source].to(
+            device=(value.to_local() if isinstance(value, DTensor) else value).device, dtype=value.dtype
+        )
+        if isinstance(value, DTensor):
+            out[key] = dtensor_like(value, local)
+        else:
+            out[key] = local
+    for names in by_tensor.values():
+        sources = [n for n in names if n in done]
+        for other in sources[1:]:
+            if not torch.equal(done[other], done[sources[0]]):
+                raise CheckpointError(
+                    f"{where}: {sources[0]!r} and {other!r} are one tied tensor in the model but differ "
+                    "in the file (saved from an untied model?)."
+                )
     return out

@@ -71,7 +71,7 @@ class TrainConfig:
     vocab_size: int = _opt(0, "model", "vocabulary size; 0: 256 for text (bytes), the largest id + 1 "
                            "(rounded up to 64) for a .bin")
     dropout: float = _opt(0.0, "model", "dropout probability")
-    init_from: str = _opt("", "model", "initialise the model from a safetensors file (e.g. an --export)")
+    init_from: str = _opt("", "model", "initialise the model from a safetensors file (e.g. an --export) or a Hugging Face model directory")
     # [parallel]
     nproc: int = _opt(2, "parallel", "local ranks to launch (ignored under torchrun)")
     strategy: str = _opt("full", "parallel", "full: shard params, grads, optimizer state (ZeRO-3); "

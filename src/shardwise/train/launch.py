@@ -123,14 +123,18 @@ def _check_checkpoint(path: Path, cfg: TrainConfig, vocab_size: int) -> None:
 
 
 def _check_init_from(cfg: TrainConfig, vocab_size: int) -> None:
-    from shardwise.checkpoint.safetensors_format import read_header
+    from shardwise.checkpoint.safetensors_format import model_files, read_header
 
     path = Path(cfg.init_from)
-    if not path.is_file():
-        raise ConfigError(f"init_from={cfg.init_from!r} does not exist: pass a safetensors file (e.g. an --export)")
-    with open(path, "rb") as fh:
-        header = read_header(fh, str(path))
-    shapes = {name: tuple(e.shape) for name, e in header.entries.items()}
+    if not path.exists():
+        raise ConfigError(
+            f"init_from={cfg.init_from!r} does not exist: pass a safetensors file (e.g. an --export) or a "
+            "Hugging Face model directory"
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in model_files(path):
+        with open(file, "rb") as fh:
+            shapes.update((name, tuple(e.shape)) for name, e in read_header(fh, str(file)).entries.items())
     built = build_model(cfg, vocab_size, torch.device("meta"))
     wrong = [f"{k} is {list(shapes[k])} there but {list(v.shape)} here" for k, v in built.model.state_dict().items()
              if k in shapes and shapes[k] != tuple(v.shape)]
