@@ -133,6 +133,14 @@ def _step_both(a, b, x, loss=lambda out: out.float().sum()):
     loss(ob).backward()
 
 
+def _step_and_compare(a, b, x):
+    """One step of both models on ``x``; then equal gradients and equal
+    registered parameter types."""
+    _step_both(a, b, x)
+    _assert_grads_equal(a, b)
+    assert _param_types(a) == _param_types(b)
+
+
 def _train_compare(a, b, steps=2):
     """``steps`` steps on both: same outputs, gradients and registered parameter types."""
     for it in range(steps):

@@ -19,6 +19,7 @@ from fsdp_reference import (  # noqa: E402  (shared with test_like_pytorch_api.p
     _mp,
     _param_types,
     _pt,
+    _step_and_compare,
     _step_both,
     _steps_match,
     _sw,
@@ -198,9 +199,7 @@ def test_no_grad_eval_then_train_param_types():
             m(_x(5))
         m.train()
     assert _param_types(a) == _param_types(b)
-    _step_both(a, b, _x(0))
-    _assert_grads_equal(a, b)
-    assert _param_types(a) == _param_types(b)
+    _step_and_compare(a, b, _x(0))
 
 
 # Gradient accumulation: no sync + no reshard after backward, then a synced step.
@@ -218,9 +217,7 @@ def test_grad_accumulation_no_sync_no_reshard_matches_torch():
     for m in (a, b):
         m.set_requires_gradient_sync(True)
         m.set_reshard_after_backward(True)
-    _step_both(a, b, _x(2))
-    _assert_grads_equal(a, b)
-    assert _param_types(a) == _param_types(b)
+    _step_and_compare(a, b, _x(2))
 
 
 # unshard() on the root before any forward, then a normal step.
@@ -230,9 +227,7 @@ def test_unshard_root_before_first_forward():
     for m in (a, b):
         m.unshard()
     assert _param_types(a) == _param_types(b)
-    _step_both(a, b, _x(0))
-    _assert_grads_equal(a, b)
-    assert _param_types(a) == _param_types(b)
+    _step_and_compare(a, b, _x(0))
 
 
 # A block whose forward is skipped in one iteration.
@@ -252,9 +247,7 @@ def test_block_skipped_in_an_iteration():
     a, b = _both(SkipNet)
     for it in range(3):
         a.skip = b.skip = it == 1
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        assert _param_types(a) == _param_types(b)
+        _step_and_compare(a, b, _x(it))
         for m in (a, b):
             for p in m.parameters():
                 p.grad = None

@@ -662,7 +662,7 @@ class ParamGroup:
         self, params: list[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype
     ) -> PendingReduction:
         pre, _ = self._divide_factors(dtype)
-        flat = self.plan.flat if len(params) == len(self.params) else FlatLayout.of([p.layout for p in params])
+        flat = self.plan.flat_of(params)
         with trace(f"shardwise::reduce_scatter ({self.name})"):
             result = coll.start_reduce_scatter(
                 self.settings.reduce_scatter_comm, grads, flat, self._reduce_scatter_group or self.info.shard_group,

@@ -30,9 +30,23 @@ class GroupPlan:
         # all-gather extensions, one dtype): the fast path. Its unsharded
         # parameters then share one buffer, allocated and freed at once.
         self.fast = flat_sharded and not any(p.has_extensions for p in params)
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._subsets: dict[tuple[int, ...], FlatLayout] = {}
         self._full_numels = [p.full_shape.numel() for p in params]
         self._full_offsets: dict[int, tuple[list[int], int]] = {}
         self._factors: dict[tuple[torch.dtype, float], tuple[float, float]] = {}
+
+    def flat_of(self, params: Sequence[ShardedParam]) -> FlatLayout:
+        """The flat layout of some of the group's parameters (those with a
+        gradient this step, or one dtype's of a mixed group), in group order:
+        built the first time a subset is seen, then reused every step."""
+        if len(params) == len(self.flat.layouts):
+            return self.flat
+        key = tuple(self._index[id(p)] for p in params)
+        flat = self._subsets.get(key)
+        if flat is None:
+            flat = self._subsets[key] = FlatLayout.of([p.layout for p in params])
+        return flat
 
     def unsharded_offsets(self, itemsize: int) -> tuple[list[int], int]:
         """Where each unsharded parameter starts in the group's unsharded
