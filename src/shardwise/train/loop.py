@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.models import GPT
 from shardwise.train.config import as_dict
 from shardwise.train.data import Batches
 from shardwise.train.launch import Plan, estimates
@@ -46,6 +45,7 @@ from shardwise.train.report import (
     summary_table,
 )
 from shardwise.train.schedule import learning_rate
+from shardwise.train.step import make_optimizer, training_step
 
 __all__ = ["launch", "run_rank", "state_bytes", "train"]
 
@@ -78,16 +78,6 @@ def _mesh(plan: Plan) -> Any:
     return init_device_mesh(plan.device_type, (size,), mesh_dim_names=("shard",))
 
 
-def _optimizer(model: nn.Module, plan: Plan) -> torch.optim.Optimizer:
-    cfg = plan.cfg
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-    )
-
-
 class _Run:
     """The state of one rank's training run."""
 
@@ -104,7 +94,7 @@ class _Run:
             from shardwise.checkpoint import load_from_file
 
             load_from_file(self.cfg.init_from, self.model)
-        self.optim = _optimizer(self.model, plan)
+        self.optim = make_optimizer(self.model, self.cfg)
         self.step = 0
         self.history: list[dict[str, float]] = []
         position = 0
@@ -144,22 +134,13 @@ class _Run:
 
     def train_step(self, lr: float) -> torch.Tensor:
         """One optimizer step; see [Note: one training step]. Returns the mean loss (local)."""
-        accum = self.cfg.grad_accum
-        total = torch.zeros((), device=self.device)
-        for micro in range(accum):
-            if accum > 1:
-                self.model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
+
+        def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
             x, y = self.batches.next(self.plan.micro_batch)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            loss = GPT.loss(self.built.logits(x), y) / accum
-            loss.backward()  # type: ignore[no-untyped-call]
-            total += loss.detach()
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        for group in self.optim.param_groups:
-            group["lr"] = lr
-        self.optim.step()
-        return total
+            return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+        return training_step(self.model, self.built.logits, self.optim, next_batch, grad_accum=self.cfg.grad_accum,
+                             grad_clip=self.cfg.grad_clip, lr=lr)
 
 
 def _log_json(path: str, record: dict[str, Any]) -> None:
