@@ -130,11 +130,29 @@ def test_readme_example_toml_is_valid():
     blocks = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
     assert blocks, "README.md shows an example TOML"
     for block in blocks:
-        import tomllib
+        from shardwise.train.config import _toml_module, resolve
 
-        from shardwise.train.config import resolve
-
-        raw = tomllib.loads(block)
+        raw = _toml_module().loads(block)  # tomllib, or tomli on Python 3.10
         flat = {k: v for section in raw.values() for k, v in section.items()}
         cfg = resolve(flat, {})
         assert cfg.micro_batch(cfg.nproc) >= 1
+
+
+def test_toml_on_python_310_reads_through_tomli(tmp_path, monkeypatch):
+    # Python 3.10 has no tomllib: load_toml uses the tomli dependency (same API)
+    import sys
+    import types
+
+    import shardwise.train.config as config
+
+    real = config._toml_module()
+    fake = types.ModuleType("tomli")
+    calls = []
+    fake.loads = lambda text: calls.append(text) or real.loads(text)  # type: ignore[attr-defined]
+    fake.TOMLDecodeError = real.TOMLDecodeError  # type: ignore[attr-defined]
+    monkeypatch.setattr(sys, "version_info", (3, 10, 14, "final", 0))
+    monkeypatch.setitem(sys.modules, "tomli", fake)
+    assert load_toml(_toml(tmp_path, "steps = 5\n")) == {"steps": 5} and calls
+    monkeypatch.setitem(sys.modules, "tomli", None)  # not installed: a clear error naming the fix
+    with pytest.raises(ConfigError, match="needs the 'tomli' package.*pip install"):
+        load_toml(_toml(tmp_path, "steps = 5\n"))

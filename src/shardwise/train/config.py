@@ -270,14 +270,16 @@ def _unknown_key(key: str, where: str) -> ConfigError:
 
 
 def _toml_module() -> Any:
+    """``tomllib`` (Python >= 3.11), else ``tomli``, which pyproject.toml
+    declares as a dependency on Python 3.10 (the same API under another name)."""
     if sys.version_info >= (3, 11):
         return importlib.import_module("tomllib")
-    try:  # pragma: no cover - Python 3.10 only
+    try:
         return importlib.import_module("tomli")
-    except ImportError:  # pragma: no cover
+    except ImportError:
         raise ConfigError(
-            "reading a TOML config needs Python >= 3.11 (tomllib) or the 'tomli' package on Python 3.10: "
-            "run `pip install tomli`, or pass the settings as flags instead"
+            "reading a TOML config on Python 3.10 needs the 'tomli' package (a dependency of shardwise there): "
+            "run `pip install 'tomli>=1.1'` (or reinstall shardwise), or pass the settings as flags instead"
         ) from None
 
 
