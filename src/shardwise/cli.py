@@ -11,8 +11,11 @@ status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 __all__ = ["main"]
 
@@ -60,9 +63,12 @@ def train_command(ns: argparse.Namespace) -> None:
     from shardwise.train.config import config_from_flags
     from shardwise.train.launch import dry_run, preflight, torchrun_world
     from shardwise.train.loop import launch
+    from shardwise.train.report import console_logging
 
     try:
         cfg = config_from_flags(ns)
+        # the library logs, the command shows: --log-level (under torchrun, this process is rank RANK)
+        console_logging(cfg.log_level, rank=int(os.environ["RANK"]) if "RANK" in os.environ else None)
         plan = preflight(cfg, torchrun_world(cfg))
         if cfg.dry_run:
             if plan.world.rank == 0:
@@ -79,8 +85,26 @@ def train_command(ns: argparse.Namespace) -> None:
         _fail("interrupted", 130)
 
 
+class _ErrorHandler(ErrorHandler):
+    """torchelastic's, except that it turns on the fault handler only where
+    stderr is a file (``main()`` called in-process, e.g. under pytest's
+    capture, would otherwise warn "Unable to enable fault handler")."""
+
+    def initialize(self) -> None:
+        try:
+            sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            return
+        super().initialize()
+
+
+@functools.partial(record, error_handler=_ErrorHandler())
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``shardwise`` console script and ``python -m shardwise``.
+
+    Under ``torchrun`` (which sets ``TORCHELASTIC_ERROR_FILE``) an exception that
+    ends this rank is written to that file (``@record``), so torchrun's failure
+    report names the first failing rank's exception and traceback.
 
     Args:
         argv: the arguments (without the program name). (Default: ``None``: ``sys.argv[1:]``)

@@ -97,3 +97,8 @@ def test_checkpoint_of_another_model_is_refused_before_ranks_start(runs, capsys)
     with pytest.raises(SystemExit):
         main(["train", *TINY, "--checkpoint-every", "2", "--checkpoint-dir", str(tmp / "ck")])
     assert "pass --resume to continue it" in capsys.readouterr().err
+
+
+def test_log_level_warning_leaves_only_problems():
+    # the header, progress and summary are INFO records of shardwise.train (rank 0's, in a spawned rank)
+    assert _train("--steps", "2", "--warmup-steps", "1", "--log-level", "warning") == ""

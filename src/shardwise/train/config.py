@@ -41,6 +41,7 @@ STRATEGIES = ("full", "shard-grad-op", "hybrid")
 WRAPS = ("blocks", "root")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _opt(default: Any, section: str, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -120,6 +121,9 @@ class TrainConfig:
     plot: str = _opt("", "output", "write a PNG of loss and memory over the steps to this file")
     metrics: str = _opt("", "output", "append one JSON line per step (step, loss, lr, tokens/s, memory) "
                         "to this file")
+    log_level: str = _opt("info", "output", "what the run shows: info (rank 0's progress and summary), debug "
+                          "(more), warning or error (only problems); other ranks show warnings and errors",
+                          choices=LOG_LEVELS)
     dry_run: bool = _opt(False, "output", "print the resolved configuration and the per-rank memory "
                          "estimate; allocate nothing, start no rank")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import math
 import os
 import socket
@@ -38,6 +39,7 @@ from shardwise.train.plot import Panel, write_plot
 from shardwise.train.report import (
     Progress,
     RankStats,
+    console_logging,
     current_memory,
     fmt_bytes,
     fmt_duration,
@@ -48,6 +50,9 @@ from shardwise.train.schedule import learning_rate
 from shardwise.train.step import make_optimizer, training_step
 
 __all__ = ["launch", "run_rank", "state_bytes", "train"]
+
+# rank 0's header, progress and summary; see [Note: train output through logging]
+log = logging.getLogger("shardwise.train")
 
 
 def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[int, int]:
@@ -188,7 +193,7 @@ def train(plan: Plan, rank: int, device: torch.device) -> None:
     end = cfg.stop_at or cfg.steps
     lead = rank == 0
     if lead:
-        print(_header(plan, run), flush=True)
+        log.info(_header(plan, run))
     every = cfg.log_every or max(1, cfg.steps // 20)
     progress = Progress(end, first=run.step + 1, every=every) if lead else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -245,27 +250,27 @@ def train(plan: Plan, rank: int, device: torch.device) -> None:
         return
     tail = [h["loss"] for h in run.history[-10:]]
     last = sum(tail) / len(tail) if tail else float("nan")
-    print(f"\ndone: steps {run.history[0]['step']:.0f}..{run.step} of {cfg.steps} in {fmt_duration(elapsed)}"
-          f" | loss {first_loss:.4f} -> {last:.4f} (mean of the last {len(tail)} steps) | {throughput:,.0f} tok/s "
-          f"({run.world} ranks)")
+    log.info(f"\ndone: steps {run.history[0]['step']:.0f}..{run.step} of {cfg.steps} in {fmt_duration(elapsed)}"
+             f" | loss {first_loss:.4f} -> {last:.4f} (mean of the last {len(tail)} steps) | {throughput:,.0f} tok/s "
+             f"({run.world} ranks)")
     planned, _ = estimates(plan)
     per_rank = [planned[r % len(planned)] for r in range(run.world)]
-    print(summary_table(stats, per_rank, device))  # type: ignore[arg-type]
+    log.info(summary_table(stats, per_rank, device))  # type: ignore[arg-type]
     if stats and stats[0] is not None:
         s0 = stats[0]
-        print(f"model state = params + grads + AdamW state; each rank holds {s0.held / max(1, s0.unsharded):.0%} of "
-              f"an unsharded copy ({fmt_bytes(s0.unsharded)}); 'planned' is shardwise.planner's estimate")
+        log.info(f"model state = params + grads + AdamW state; each rank holds {s0.held / max(1, s0.unsharded):.0%} "
+                 f"of an unsharded copy ({fmt_bytes(s0.unsharded)}); 'planned' is shardwise.planner's estimate")
     if end < cfg.steps:
-        print(f"stopped at step {end} (stop_at); continue with --resume from {cfg.checkpoint_dir}")
+        log.info(f"stopped at step {end} (stop_at); continue with --resume from {cfg.checkpoint_dir}")
     elif cfg.checkpoint_every:
-        print(f"checkpoints: {cfg.checkpoint_dir}")
+        log.info(f"checkpoints: {cfg.checkpoint_dir}")
     if cfg.export and end == cfg.steps:
-        print(f"exported the unsharded model to {cfg.export} (safetensors)")
+        log.info(f"exported the unsharded model to {cfg.export} (safetensors)")
     if cfg.plot:
         steps = [h["step"] for h in run.history]
         how = write_plot(cfg.plot, [Panel("loss", steps, [h["loss"] for h in run.history]),
                                     Panel("memory MiB (rank 0)", steps, [h["memory"] / 2**20 for h in run.history])])
-        print(f"plot: {cfg.plot} ({how})")
+        log.info(f"plot: {cfg.plot} ({how})")
 
 
 def run_rank(rank: int, world_size: int, plan: Plan, port: int | None) -> None:
@@ -281,7 +286,9 @@ def run_rank(rank: int, world_size: int, plan: Plan, port: int | None) -> None:
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     backend = "nccl" if cuda else "gloo"
     if port is not None:
-        # a crash in native code shows this rank's Python stack (spawned ranks are ours)
+        # spawned ranks are ours: the command's console (a fresh process has no logging set up), and
+        # a crash in native code shows this rank's Python stack
+        console_logging(plan.cfg.log_level, rank=rank)
         faulthandler.enable()
         store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(minutes=10))  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
