@@ -1,14 +1,15 @@
-"""The learning-rate schedule and the built-in PNG writer / rasteriser."""
+"""The learning-rate schedule, the --plot PNG (matplotlib, the `plot` extra)
+and the progress lines."""
 
 from __future__ import annotations
 
 import math
 import struct
-import zlib
 
 import pytest
 
-from shardwise.train.plot import Canvas, Panel, png_bytes, render, write_plot
+from shardwise.errors import ConfigError
+from shardwise.train.plot import Panel, write_plot
 from shardwise.train.schedule import learning_rate
 
 
@@ -26,55 +27,42 @@ def test_warmup_then_cosine():
         learning_rate(0, **kw)
 
 
-def _decode(data: bytes) -> tuple[int, int, bytes]:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + n
-    w, h, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
-    assert (depth, colour, interlace) == (8, 2, 0) and b"IEND" in chunks
-    raw = zlib.decompress(chunks[b"IDAT"])
-    rows = [raw[y * (3 * w + 1) : (y + 1) * (3 * w + 1)] for y in range(h)]
-    assert all(r[0] == 0 for r in rows)
-    return w, h, b"".join(r[1:] for r in rows)
-
-
-def test_png_bytes_round_trip():
-    pixels = bytes(range(2 * 3 * 3)) * 1
-    w, h, rgb = _decode(png_bytes(3, 2, pixels))
-    assert (w, h, rgb) == (3, 2, pixels)
-    with pytest.raises(ValueError, match="needs 18"):
-        png_bytes(3, 2, b"\x00")
-
-
-def test_canvas_draws_lines_and_text():
-    c = Canvas(20, 10)
-    c.line(0, 0, 19, 9, (255, 0, 0))
-    assert c.pixels[0:3] == b"\xff\x00\x00" and c.pixels[-3:] == b"\xff\x00\x00"
-    c.set(100, 100, (0, 0, 0))  # outside: ignored
-    assert c.text(0, 0, "1.5", scale=1) == Canvas.text_width("1.5", scale=1) == 12
-
-
-def test_render_plots_the_series(tmp_path):
+def test_plot_is_a_png_drawn_with_matplotlib(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    image = pytest.importorskip("matplotlib.image")
+    backend = matplotlib.get_backend()
     steps = list(range(1, 51))
-    data = render([Panel("loss", steps, [5 / s for s in steps]), Panel("memory MiB", steps, [100.0] * 50)],
-                  width=300, panel_height=120)
-    w, h, rgb = _decode(data)
-    assert (w, h) == (300, 240)
-    blue = bytes((31, 119, 180))
-    red = bytes((214, 39, 40))
-    px = [rgb[i : i + 3] for i in range(0, len(rgb), 3)]
-    top = [p for i, p in enumerate(px) if i // w < 120]
-    bottom = [p for i, p in enumerate(px) if i // w >= 120]
-    assert top.count(blue) > 100 and bottom.count(red) > 100 and blue not in bottom
     out = tmp_path / "sub" / "plot.png"
-    assert write_plot(out, [Panel("loss", [1], [float("nan")])], builtin=True) == "builtin"
-    assert _decode(out.read_bytes())[0] == 720
+    write_plot(out, [Panel("loss", steps, [5 / s for s in steps[:-1]] + [float("nan")]),
+                     Panel("memory MiB", steps, [100.0] * 50)])
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == (720, 520)  # 7.2 x 2.6 inches per panel at 100 dpi
+    rgb = (image.imread(out)[..., :3] * 255).round()
+    top, bottom = rgb[:260], rgb[260:]
+
+    def count(part, colour):
+        return int((abs(part - colour).sum(axis=-1) < 30).sum())
+
+    blue, red = (31, 119, 180), (214, 39, 40)  # the first and second panel's lines
+    assert count(top, blue) > 100 and count(bottom, red) > 100 and count(bottom, blue) == 0
+    assert matplotlib.get_backend() == backend  # drawn by Agg without switching pyplot's backend
+
+
+def test_plot_without_matplotlib_is_refused_before_any_rank_starts(monkeypatch, capsys):
+    import importlib.util
+
+    from shardwise.cli import main
+    from shardwise.train.config import TrainConfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"plot='loss.png' needs matplotlib.*pip install 'shardwise\[plot\]'"):
+        TrainConfig(plot="loss.png")
+    assert TrainConfig().plot == ""  # no plot, no matplotlib needed
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--plot", "loss.png", "--dry-run"])
+    assert exc.value.code == 2 and "pip install 'shardwise[plot]'" in capsys.readouterr().err
 
 
 def test_progress_lines(monkeypatch):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError, ConfigTypeError
+from shardwise.train.plot import check_matplotlib
 
 __all__ = [
     "SECTIONS",
@@ -118,7 +119,8 @@ class TrainConfig:
     # [output]
     log_every: int = _opt(0, "output", "progress line every K steps when not on a terminal; 0: about 20 "
                           "lines per run")
-    plot: str = _opt("", "output", "write a PNG of loss and memory over the steps to this file")
+    plot: str = _opt("", "output", "write a PNG of loss and memory over the steps to this file (needs matplotlib: "
+                     "pip install 'shardwise[plot]')")
     metrics: str = _opt("", "output", "append one JSON line per step (step, loss, lr, tokens/s, memory) "
                         "to this file")
     log_level: str = _opt("info", "output", "what the run shows: info (rank 0's progress and summary), debug "
@@ -161,6 +163,7 @@ class TrainConfig:
             )
         if self.stop_at > self.steps:
             raise ConfigError(f"stop_at={self.stop_at} is past steps={self.steps}: set stop_at <= steps, or 0")
+        check_matplotlib(self.plot)
         if self.vocab_size and self.vocab_size < 256 and not self._bin_data():
             raise ConfigError(
                 f"vocab_size={self.vocab_size} is too small for byte-level text (256 symbols): "

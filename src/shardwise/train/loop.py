@@ -268,9 +268,9 @@ def train(plan: Plan, rank: int, device: torch.device) -> None:
         log.info(f"exported the unsharded model to {cfg.export} (safetensors)")
     if cfg.plot:
         steps = [h["step"] for h in run.history]
-        how = write_plot(cfg.plot, [Panel("loss", steps, [h["loss"] for h in run.history]),
-                                    Panel("memory MiB (rank 0)", steps, [h["memory"] / 2**20 for h in run.history])])
-        log.info(f"plot: {cfg.plot} ({how})")
+        write_plot(cfg.plot, [Panel("loss", steps, [h["loss"] for h in run.history]),
+                              Panel("memory MiB (rank 0)", steps, [h["memory"] / 2**20 for h in run.history])])
+        log.info(f"plot: {cfg.plot}")
 
 
 def run_rank(rank: int, world_size: int, plan: Plan, port: int | None) -> None:
