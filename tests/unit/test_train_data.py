@@ -84,7 +84,94 @@ def test_uint16_bin_like_nanogpt(tmp_path):
     assert source.read(100, 110).tolist() == ids[100:110].astype(int).tolist()
     x, y = Batches(source, 32, 4, 2, seed=0).next(3)
     assert x.max() < 50257 and torch.equal(x[:, 1:], y[:, :-1])
-    assert open_source([str(path)], scan_vocab=False).vocab_size == 65536
+    # not scanned (vocab_size given): unknown, so any configured vocabulary passes the check before the ranks start
+    assert open_source([str(path)], scan_vocab=False).vocab_size == 0
+
+
+def _llmc(path, ids, magic, version, count=None):
+    # llm.c's write_datafile: 256 int32s (magic, version, token count), then the ids
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = magic, version, len(ids) if count is None else count
+    path.write_bytes(header.tobytes() + ids.tobytes())
+    return path
+
+
+LLAMA3_VOCAB = 128256
+
+
+def _big_ids(n=6000):
+    return (np.arange(n, dtype=np.int64) * 7919 % LLAMA3_VOCAB).astype(np.uint32)
+
+
+def test_uint32_bin_with_ids_past_uint16(tmp_path):
+    ids = _big_ids()
+    ids[123] = LLAMA3_VOCAB - 1
+    path = tmp_path / "llama.uint32.bin"  # raw ids; the name says their width
+    ids.tofile(path)
+    source = open_source([str(path)])
+    assert source.length == len(ids) and source.dtype == torch.uint32 and "uint32" in source.description
+    assert source.vocab_size == LLAMA3_VOCAB  # 128255 + 1, a multiple of 64 already
+    assert source.read(120, 130).tolist() == ids[120:130].astype(int).tolist()
+    seq = 32
+    for rank in range(2):
+        batches = Batches(source, seq, 2, rank, seed=1)
+        start, _ = slice_bounds(len(ids), 2, rank)
+        x, y = batches.next(8)
+        assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+        for row, i in zip(x, range(8)):  # every row is one seq_len window of this rank's slice, exactly
+            lo = start + int(batches._order(0)[i]) * seq
+            assert row.tolist() == ids[lo : lo + seq].astype(int).tolist()
+    assert int(Batches(source, seq, 1, 0, seed=0).next(len(ids) // seq)[0].max()) > 65535
+
+
+def test_llmc_headers_say_the_width(tmp_path):
+    ids = _big_ids(3000)
+    source = open_source([str(_llmc(tmp_path / "fineweb_train_000001.bin", ids, 20240801, 7))])
+    assert (source.length, source.dtype) == (3000, torch.uint32) and "llm.c header" in source.description
+    assert source.read(0, 5).tolist() == ids[:5].astype(int).tolist()  # the header is not read as tokens
+    gpt2 = (np.arange(3000) % 50257).astype(np.uint16)
+    source = open_source([str(_llmc(tmp_path / "gpt2.bin", gpt2, 20240520, 1))])
+    assert (source.length, source.dtype, source.vocab_size) == (3000, torch.uint16, 3008)
+    assert source.read(2990, 3000).tolist() == gpt2[2990:].astype(int).tolist()
+    with pytest.raises(ConfigError, match="header .* for 3,001 tokens, but holds 12,000 bytes after it"):
+        open_source([str(_llmc(tmp_path / "short.bin", ids, 20240801, 7, count=3001))])
+    with pytest.raises(ConfigError, match="named uint16 but its llm.c header says uint32"):
+        open_source([str(_llmc(tmp_path / "x.uint16.bin", ids, 20240801, 7))])
+    odd = tmp_path / "odd.uint32.bin"
+    odd.write_bytes(b"\0" * 6)
+    with pytest.raises(ConfigError, match="6 bytes: a .bin must hold uint32 token ids .* multiple of 4 bytes"):
+        open_source([str(odd)])
+
+
+def test_bin_is_mapped_once_and_never_widened(tmp_path, monkeypatch):
+    import mmap
+    import pickle
+
+    import shardwise.train.data as data
+
+    maps = []
+    real = mmap.mmap
+    monkeypatch.setattr(data.mmap, "mmap", lambda *a, **k: maps.append(a) or real(*a, **k))
+    path = tmp_path / "t.uint32.bin"
+    _big_ids(20000).tofile(path)
+    source = open_source([str(path)])  # scans the ids for the vocabulary through the mapping
+    ranks = [Batches(source, 16, 2, r, seed=0) for r in range(2)]
+    opened = []
+    monkeypatch.setattr("builtins.open", lambda *a, **k: opened.append(a) or pytest.fail("reopened the .bin"))
+    for _ in range(50):
+        for b in ranks:
+            b.next(4)
+    assert len(maps) == 1 and not opened  # one mapping per process, windows are views of it
+    monkeypatch.undo()
+    mapped = source.tokens()
+    base, end = mapped.data_ptr(), mapped.data_ptr() + mapped.numel() * 4
+    for b in ranks:  # each rank's slice: uint32 views into the mapping, not an int64 copy (8 bytes a token)
+        assert b._tokens.dtype == torch.uint32 and base <= b._tokens.data_ptr() < end
+    clone = pickle.loads(pickle.dumps(source))  # as sent to a spawned rank: maps the file anew there
+    assert clone._mapped is None and torch.equal(clone.read(0, 100), source.read(0, 100))
+    text = tmp_path / "a.txt"
+    text.write_bytes(bytes(range(256)) * 4)
+    assert Batches(open_source([str(text)]), 8, 2, 1, seed=0)._tokens.dtype == torch.uint8  # text: a byte a token
 
 
 def test_bad_data_is_reported(tmp_path):

@@ -2,7 +2,7 @@
 line, on one machine (``--nproc`` local ranks) or many (``torchrun``).
 
 * ``config``   the settings: TOML keys = flags, validated
-* ``data``     token streams (text bytes, uint16 ``.bin``, Python's own text), per-rank slices
+* ``data``     token streams (text bytes, uint16 / uint32 ``.bin``, Python's own text), per-rank slices
 * ``model``    the built-in GPT or a Hugging Face causal LM, and how it is sharded
 * ``schedule`` warm-up + cosine learning rate
 * ``launch``   checks before any rank starts, dry run, starting the ranks

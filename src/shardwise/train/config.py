@@ -71,7 +71,7 @@ class TrainConfig:
     mlp_ratio: int = _opt(4, "model", "MLP hidden width / dim")
     seq_len: int = _opt(64, "model", "tokens per training sequence (context length)")
     vocab_size: int = _opt(0, "model", "vocabulary size; 0: 256 for text (bytes), the largest id + 1 "
-                           "(rounded up to 64) for a .bin")
+                           "(rounded up to 64) for a .bin (set, a .bin is not scanned: its ids must be below it)")
     dropout: float = _opt(0.0, "model", "dropout probability")
     init_from: str = _opt("", "model", "initialise the model from a safetensors file (e.g. an --export) or a Hugging Face model directory")
     # [parallel]
@@ -106,7 +106,9 @@ class TrainConfig:
     seed: int = _opt(0, "optim", "seed of the initial weights and the data order")
     # [data]
     data: tuple[str, ...] = _opt((), "data", "text files or directories (byte-level tokens), or one .bin of "
-                                 "uint16 token ids; empty: text that ships with Python (stdlib sources and docs)")
+                                 "token ids: uint16 (nanoGPT's raw ids), uint32 if named *.uint32.bin (e.g. "
+                                 "Llama-3's 128,256 ids), or what llm.c's 1 KiB header says; empty: text that "
+                                 "ships with Python (stdlib sources and docs)")
     # [checkpoint]
     checkpoint_dir: str = _opt("checkpoints", "checkpoint", "where checkpoints go (step-NNNNNNNN/ inside)")
     checkpoint_every: int = _opt(0, "checkpoint", "save a sharded checkpoint every K steps (and at the end); "

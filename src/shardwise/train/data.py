@@ -4,8 +4,9 @@ windows in a seeded random order.
 
 [Note: data slicing]
 The stream (``L`` tokens) is cut into ``world_size`` equal contiguous slices;
-rank ``r`` reads only ``[r * L // W, (r + 1) * L // W)`` (from disk: text
-files are read for that byte range only, a ``.bin`` window by window). Its
+rank ``r`` reads only ``[r * L // W, (r + 1) * L // W)`` (text files: that
+byte range, read once and held as bytes; a ``.bin``: a view of the file
+mapped once per process, read window by window, never copied whole). Its
 slice holds ``n = (len - 1) // seq_len`` non-overlapping windows (inputs and
 the targets one token later). Sample ``i`` of rank ``r`` is window
 ``perm(seed, epoch=i // n, r)[i % n]``, a permutation drawn from its own
@@ -16,21 +17,37 @@ checkpoint stores. Every rank consumes the same number of samples per step.
 Three sources make the stream:
 * byte-level text: files (or directories of files, walked in sorted order)
   concatenated, one token per byte (vocabulary 256);
-* a ``.bin`` of ``uint16`` token ids, nanoGPT's layout (``np.uint16`` array
-  written with ``tofile``);
+* a ``.bin`` of token ids; see [Note: token files] for how their width
+  (``uint16`` or ``uint32``) is known;
 * by default, text that ships with Python itself: the reference
   documentation of ``pydoc_data/topics.py`` and the standard library's own
   sources, so training needs no download.
+
+[Note: token files]
+A ``.bin`` holds token ids back to back, little-endian, as ``uint16`` (up to
+65,535: GPT-2's 50,257-token vocabulary) or ``uint32`` (Llama-3's 128,256).
+The file says which, in one of two ways, checked in this order:
+* llm.c's header: 256 int32s (1 KiB) of magic, version and token count, then
+  the tokens: magic 20240520 version 1 is ``uint16`` (GPT-2), magic 20240801
+  version 7 is ``uint32`` (Llama-3). The count must match the file's size (a
+  mismatch is an error: a truncated file), so a headerless file is never
+  mistaken for one;
+* otherwise the file is raw ids (nanoGPT's ``arr.tofile(path)``): ``uint32``
+  when its name ends in ``.uint32.bin``, else ``uint16`` (``.uint16.bin`` or
+  any other ``.bin``, nanoGPT's default).
+A name that says one width on a header that says the other is an error.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import struct
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,6 +59,11 @@ STDLIB_CORPUS_BYTES = 4 << 20
 """Bytes of Python's own text in the default corpus."""
 
 BYTE_VOCAB = 256
+
+# llm.c's token files: (magic, version) -> token dtype; a 256-int32 header before the ids
+_LLMC_HEADER_BYTES = 256 * 4
+_LLMC_VERSIONS = {(20240520, 1): torch.uint16, (20240801, 7): torch.uint32}
+_DTYPE_NAMES = {torch.uint16: "uint16", torch.uint32: "uint32"}
 
 
 def slice_bounds(length: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -59,27 +81,60 @@ class _Span:
 class TokenSource:
     """A flat stream of token ids backed by files; reads any ``[start, end)``.
 
-    Build one with :func:`open_source`.
+    Build one with :func:`open_source`. A ``.bin`` is memory-mapped once per
+    process, on first use (a pickled source, as sent to spawned ranks, maps
+    the file again where it lands).
     """
 
     def __init__(self, description: str, length: int, vocab_size: int, *, spans: Sequence[_Span] = (),
-                 bin_path: Path | None = None) -> None:
+                 bin_path: Path | None = None, dtype: torch.dtype = torch.uint16, offset: int = 0) -> None:
         self.description = description
         self.length = length  # tokens in the stream
-        self.vocab_size = vocab_size  # smallest vocabulary that covers the ids (byte text: 256)
+        # smallest vocabulary that covers the ids (byte text: 256); 0: unknown (a .bin not scanned)
+        self.vocab_size = vocab_size
+        self.dtype = dtype if bin_path is not None else torch.uint8  # how a token is stored
         self._spans = tuple(spans)
         self._bin_path = bin_path
+        self._offset = offset  # bytes before the first token (llm.c's header)
+        self._mapped: torch.Tensor | None = None  # the whole .bin as a tensor over one mmap
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_mapped"] = None  # a mapping is per process
+        return state
 
     @property
     def is_bin(self) -> bool:
         """Whether the stream is a ``.bin`` of token ids (read window by window)."""
         return self._bin_path is not None
 
+    def tokens(self) -> torch.Tensor:
+        """A ``.bin``'s ids as one ``dtype`` tensor over a memory map of the file
+        (opened on the first call, then shared; slicing it copies nothing)."""
+        if self._bin_path is None:
+            raise AssertionError("TokenSource.tokens() of a text source; use read()")
+        if self._mapped is None:
+            with open(self._bin_path, "rb") as fh:
+                # copy-on-write: a read-only map would make torch.frombuffer warn; nothing writes to it
+                mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            if self.length * self.dtype.itemsize + self._offset > len(mapping):
+                raise ConfigError(
+                    f"data changed while reading: {self._bin_path} is shorter than the {self.length} tokens it held; "
+                    "do not modify the data files during training"
+                )
+            self._mapped = torch.frombuffer(mapping, dtype=self.dtype, count=self.length, offset=self._offset)
+        return self._mapped
+
     def read(self, start: int, end: int) -> torch.Tensor:
         """Tokens ``[start, end)`` of the stream as an int64 tensor (``end`` clipped to the length)."""
+        return self.read_stored(start, end).long()
+
+    def read_stored(self, start: int, end: int) -> torch.Tensor:
+        """Tokens ``[start, end)`` as stored (``dtype``: bytes for text), ``end``
+        clipped to the length; for a ``.bin`` a view of the mapped file."""
         end = min(end, self.length)
         if self._bin_path is not None:
-            return self._read_bin(start, end)
+            return self.tokens()[start:max(start, end)]
         out = bytearray()
         for span in self._spans:
             lo, hi = max(start, span.start), min(end, span.start + span.size)
@@ -88,22 +143,12 @@ class TokenSource:
             with open(span.path, "rb") as fh:
                 fh.seek(lo - span.start)
                 out += fh.read(hi - lo)
-        if len(out) != end - start:
+        if len(out) != max(0, end - start):
             raise ConfigError(
                 f"data changed while reading: expected {end - start} bytes at {start} of {self.description}, "
                 f"got {len(out)}; do not modify the data files during training"
             )
-        return torch.frombuffer(out, dtype=torch.uint8).long() if out else torch.empty(0, dtype=torch.long)
-
-    def _read_bin(self, start: int, end: int) -> torch.Tensor:
-        if end <= start:
-            return torch.empty(0, dtype=torch.long)
-        if self._bin_path is None:
-            raise AssertionError("TokenSource._read_bin without a .bin file")
-        with open(self._bin_path, "rb") as fh:
-            fh.seek(2 * start)
-            raw = bytearray(fh.read(2 * (end - start)))
-        return torch.frombuffer(raw, dtype=torch.uint16).long()
+        return torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
 
 
 def _walk(path: Path) -> list[Path]:
@@ -135,26 +180,52 @@ def _text_source(paths: list[Path], description: str, cap: int | None) -> TokenS
     return TokenSource(description, offset, BYTE_VOCAB, spans=spans)
 
 
-def _bin_vocab(path: Path, length: int) -> int:
-    """Largest token id in a uint16 ``.bin`` + 1, rounded up to a multiple of 64."""
+def _bin_vocab(source: TokenSource) -> int:
+    """Largest token id in a ``.bin`` + 1, rounded up to a multiple of 64."""
+    ids = source.tokens()
     top = 0
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
-        ids = torch.frombuffer(mm, dtype=torch.uint16, count=length)
-        step = 1 << 24
-        for lo in range(0, length, step):
-            top = max(top, int(ids[lo : lo + step].to(torch.int32).max()))
-        del ids
+    step = 1 << 22
+    for lo in range(0, source.length, step):
+        top = max(top, int(ids[lo : lo + step].to(torch.int64).max()))
     return -(-(top + 1) // 64) * 64
+
+
+def _bin_layout(path: Path, size: int) -> tuple[torch.dtype, int, str]:
+    """``(dtype, header bytes, how it is known)`` of a ``.bin``; see [Note: token files]."""
+    named = {".uint16": torch.uint16, ".uint32": torch.uint32}.get(path.suffixes[-2].lower()
+                                                                    if len(path.suffixes) > 1 else "")
+    if size >= _LLMC_HEADER_BYTES:
+        with open(path, "rb") as fh:
+            magic, version, count = struct.unpack("<3i", fh.read(12))
+        dtype = _LLMC_VERSIONS.get((magic, version))
+        if dtype is not None:
+            if _LLMC_HEADER_BYTES + count * dtype.itemsize != size:
+                raise ConfigError(
+                    f"data={str(path)!r} starts with llm.c's header ({_DTYPE_NAMES[dtype]} ids, version {version}) "
+                    f"for {count:,} tokens, but holds {size - _LLMC_HEADER_BYTES:,} bytes after it, not "
+                    f"{count * dtype.itemsize:,}: the file is truncated or was not written by llm.c's write_datafile"
+                )
+            if named is not None and named != dtype:
+                raise ConfigError(
+                    f"data={str(path)!r} is named {_DTYPE_NAMES[named]} but its llm.c header says "
+                    f"{_DTYPE_NAMES[dtype]} token ids: rename it (the header decides)"
+                )
+            return dtype, _LLMC_HEADER_BYTES, "llm.c header"
+    if named is not None:
+        return named, 0, "by name"
+    return torch.uint16, 0, "nanoGPT layout"
 
 
 def open_source(data: Sequence[str], *, scan_vocab: bool = True) -> TokenSource:
     """The token stream for the ``data`` setting; a :class:`ConfigError` naming
-    the path if a file is missing, empty, or a ``.bin`` of odd size.
+    the path if a file is missing, empty, or a ``.bin`` whose size does not
+    fit its token width (see [Note: token files]).
 
     Args:
         data: text files / directories, or one ``.bin``; empty for the built-in corpus.
         scan_vocab: for a ``.bin``, read it once to find the largest id (for
-            ``vocab_size=0``); else assume 65536. (Default: ``True``)
+            ``vocab_size=0``); else leave ``vocab_size`` 0 (unknown: the ids
+            are trusted to fit the configured vocabulary). (Default: ``True``)
     """
     if not data:
         files = _stdlib_files()
@@ -169,8 +240,8 @@ def open_source(data: Sequence[str], *, scan_vocab: bool = True) -> TokenSource:
     for path in paths:
         if not path.exists():
             raise ConfigError(
-                f"data={str(path)!r} does not exist: pass text files or directories, or one .bin of uint16 "
-                "token ids (or no --data for the built-in corpus of Python's own text)"
+                f"data={str(path)!r} does not exist: pass text files or directories, or one .bin of uint16 or "
+                "uint32 token ids (or no --data for the built-in corpus of Python's own text)"
             )
     bins = [p for p in paths if p.suffix == ".bin"]
     if bins:
@@ -180,14 +251,20 @@ def open_source(data: Sequence[str], *, scan_vocab: bool = True) -> TokenSource:
             )
         path = bins[0]
         size = path.stat().st_size
-        if size == 0 or size % 2:
+        dtype, offset, how = _bin_layout(path, size)
+        width = dtype.itemsize
+        if size == offset or (size - offset) % width:
+            name = _DTYPE_NAMES[dtype]
             raise ConfigError(
-                f"data={str(path)!r} has {size} bytes: a .bin must hold uint16 token ids (an even, non-zero "
-                "number of bytes), as numpy's arr.astype(np.uint16).tofile(path) writes"
+                f"data={str(path)!r} has {size} bytes: a .bin must hold {name} token ids ({how}), a non-zero "
+                f"multiple of {width} bytes, as numpy's arr.astype(np.{name}).tofile(path) writes (name a file of "
+                "uint32 ids *.uint32.bin)"
             )
-        length = size // 2
-        vocab = _bin_vocab(path, length) if scan_vocab else 1 << 16
-        return TokenSource(f"{path} (uint16 token ids)", length, vocab, bin_path=path)
+        source = TokenSource(f"{path} ({_DTYPE_NAMES[dtype]} token ids, {how})", (size - offset) // width, 0,
+                             bin_path=path, dtype=dtype, offset=offset)
+        if scan_vocab:
+            source.vocab_size = _bin_vocab(source)
+        return source
     texts: list[Path] = []
     for path in paths:
         texts += _walk(path)
@@ -223,10 +300,9 @@ class Batches:
                 f"rank {rank}'s slice of the data has {end - start} tokens, fewer than seq_len + 1 = "
                 f"{seq_len + 1}: use more data, a smaller --seq-len, or fewer ranks"
             )
-        # The slice is small next to the model for text; a .bin is read window by window.
-        self._tokens = None if source.is_bin else source.read(start, end)
-        self._source = source
-        self._start = start
+        # This rank's slice as stored (bytes for text; for a .bin a view of the one mapping of the file,
+        # so nothing is copied or widened to int64 until a window is taken).
+        self._tokens = source.read_stored(start, end)
         self._epoch = -1
         self._perm = torch.empty(0, dtype=torch.long)
 
@@ -241,9 +317,7 @@ class Batches:
         """The ``seq_len + 1`` tokens of sample ``sample`` (any non-negative integer)."""
         epoch, index = divmod(sample, self.num_windows)
         lo = int(self._order(epoch)[index]) * self.seq_len
-        if self._tokens is not None:
-            return self._tokens[lo : lo + self.seq_len + 1]
-        return self._source.read(self._start + lo, self._start + lo + self.seq_len + 1)
+        return self._tokens[lo : lo + self.seq_len + 1].long()
 
     def next(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``batch_size`` samples as int64 ``(inputs, targets)`` of shape ``[batch_size, seq_len]``."""
