@@ -115,7 +115,11 @@ class TrainConfig:
                                  "0: never")
     keep: int = _opt(0, "checkpoint", "keep only the newest K checkpoints; 0: keep all")
     resume: bool = _opt(False, "checkpoint", "continue from the latest complete checkpoint in checkpoint_dir")
-    export: str = _opt("", "checkpoint", "write the unsharded model to this safetensors file at the end")
+    export: str = _opt("", "checkpoint", "write the unsharded model here at the end: a path ending in .safetensors "
+                       "is one file; any other path a Hugging Face model directory (config.json, safetensors shards "
+                       "and their index, as save_pretrained writes)")
+    export_shard_size: str = _opt("5GB", "checkpoint", "export to a directory: the largest safetensors shard file "
+                                  "(bytes, or e.g. 5GB, 500MB, 1GiB)")
     stop_at: int = _opt(0, "checkpoint", "stop after this step (checkpointing it), as a time-limited job "
                         "would; --resume continues; 0: run all steps")
     # [output]

@@ -21,6 +21,7 @@ from shardwise.train.data import TokenSource, open_source, slice_bounds
 from shardwise.train.model import (
     build_model,
     check_transformers,
+    hf_vocab_size,
     mixed_precision,
     offload_policy,
     planner_groups,
@@ -145,6 +146,14 @@ def _check_init_from(cfg: TrainConfig, vocab_size: int) -> None:
         )
 
 
+def _check_export(cfg: TrainConfig) -> None:
+    from shardwise.checkpoint.hf_directory import check_destination, is_directory_export, parse_size
+
+    if is_directory_export(cfg.export):
+        parse_size(cfg.export_shard_size, "export_shard_size")
+        check_destination(Path(os.path.abspath(cfg.export)))
+
+
 def preflight(cfg: TrainConfig, world: World) -> Plan:
     """Check ``cfg`` for ``world`` and resolve what depends on the data and the
     machine; every problem is a :class:`ConfigError` / ``CheckpointError``
@@ -162,8 +171,15 @@ def preflight(cfg: TrainConfig, world: World) -> Plan:
         raise ConfigError(f"world size {world.size} must be >= 1")
     micro = cfg.micro_batch(world.size)
     source = open_source(cfg.data, scan_vocab=not cfg.vocab_size)
-    vocab = cfg.vocab_size or source.vocab_size
+    # A Hugging Face config file (hf_config, or init_from's config.json) brings its vocabulary size.
+    from_config = None if cfg.vocab_size else hf_vocab_size(cfg)
+    vocab = cfg.vocab_size or from_config or source.vocab_size
     if vocab < source.vocab_size:
+        if from_config:
+            raise ConfigError(
+                f"the model's config has vocab_size={vocab}, fewer ids than the data needs ({source.vocab_size}): "
+                "use data tokenized for this model, or set vocab_size (the weights' shapes must still fit)"
+            )
         raise ConfigError(
             f"vocab_size={vocab} is smaller than the data needs ({source.vocab_size}): raise it, or 0 for automatic"
         )
@@ -178,6 +194,8 @@ def preflight(cfg: TrainConfig, world: World) -> Plan:
     cfg = replace(cfg, vocab_size=vocab, shard_size=_shard_size(cfg, world))
     if cfg.init_from:
         _check_init_from(cfg, vocab)
+    if cfg.export:
+        _check_export(cfg)
     resume_from = None
     checkpointing = cfg.checkpoint_every > 0 or cfg.stop_at > 0
     found = latest(cfg.checkpoint_dir) if (cfg.resume or checkpointing) and Path(cfg.checkpoint_dir).is_dir() else None

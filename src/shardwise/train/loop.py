@@ -243,7 +243,10 @@ def train(plan: Plan, rank: int, device: torch.device) -> None:
         from shardwise.checkpoint import export
 
         Path(cfg.export).parent.mkdir(parents=True, exist_ok=True)
-        export(cfg.export, run.model, metadata={"config": json.dumps(as_dict(cfg))})
+        from shardwise.checkpoint.hf_directory import is_directory_export
+
+        export(cfg.export, run.model, metadata={"config": json.dumps(as_dict(cfg))},
+               max_shard_size=cfg.export_shard_size if is_directory_export(cfg.export) else None)
     stats = [None] * run.world
     dist.all_gather_object(stats, RankStats(rank, held, full, peak_memory(device)))
     if not lead:

@@ -10,15 +10,36 @@ The built-in GPT is built on the meta device, sharded, materialised with
 only while it is initialised), in the module order an eager build uses. So
 the weights equal an eager ``GPT(cfg)``'s under the same seed, whatever the
 world size, and no rank ever holds more than the root plus one block whole.
-A Hugging Face model is built eagerly (its non-persistent buffers, such as
-rotary frequencies, are computed at construction) and then sharded.
+
+[Note: initialising a sharded Hugging Face model]
+A Hugging Face model (transformers 5) is built the same way: on the meta
+device, sharded, materialised with ``to_empty`` (each rank allocates only its
+shards), then
+
+* from scratch: transformers' own ``initialize_weights`` walk (children
+  before parents, each module through the ``_init_weights`` of the
+  ``PreTrainedModel`` it belongs to, under ``transformers.initialization``'s
+  guard), seeded with ``seed``, run group by group inside
+  ``summon_full_params`` as for the GPT. The weights are those of a
+  meta-built copy that is materialised and then given
+  ``torch.manual_seed(seed); model.initialize_weights()``, at every world size
+  (an eager ``from_config`` build draws other numbers: its constructors
+  consume the generator first).
+* with ``init_from``: as ``from_pretrained`` does when it loads onto the meta
+  device, every tensor of the state dict is marked as loaded
+  (``_is_hf_initialized``) and ``initialize_weights`` is run, which then
+  (re)computes only what a checkpoint does not hold: the non-persistent
+  buffers, such as the rotary ``inv_freq``. The weights come from the files
+  (``load_from_file``, each rank reading its own chunks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +60,8 @@ __all__ = [
     "BuiltModel",
     "build_model",
     "check_transformers",
+    "hf_config_file",
+    "hf_vocab_size",
     "mixed_precision",
     "offload_policy",
     "planner_groups",
@@ -58,12 +81,60 @@ class BuiltModel:
 
 
 def check_transformers() -> None:
-    """A :class:`ConfigError` unless the ``transformers`` package is importable."""
+    """A :class:`ConfigError` unless ``transformers`` 5 or later is importable."""
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError(
             "model='hf' needs the 'transformers' package, which is not installed: run "
             "`pip install transformers`, or use the built-in model (--model gpt)"
         )
+    version = importlib.metadata.version("transformers")
+    if int(version.split(".")[0]) < 5:
+        raise ConfigError(
+            f"model='hf' needs transformers 5 or later (it initialises models built on the meta device the way "
+            f"transformers 5 does), but {version} is installed: run `pip install -U transformers`"
+        )
+
+
+def hf_config_file(cfg: TrainConfig) -> Path | None:
+    """Where ``model='hf'`` takes its config from: ``hf_config`` (a config.json
+    or its directory) if set, else ``init_from``'s ``config.json`` when
+    ``init_from`` is a directory; ``None``: built from ``hf_model_type`` and the
+    size settings. ``hf_config`` wins over ``init_from``'s config.json (e.g. to
+    change settings that leave the weights' shapes alone); a config whose
+    shapes do not fit the weights is refused before any rank starts.
+
+    Raises:
+        ConfigError: ``hf_config`` does not exist, or ``init_from`` is a
+            directory without ``config.json``.
+    """
+    if cfg.model != "hf":
+        return None
+    if cfg.hf_config:
+        path = Path(cfg.hf_config)
+        if not path.exists():
+            raise ConfigError(f"hf_config={cfg.hf_config!r} does not exist: pass a local config.json or its directory")
+        return path
+    if cfg.init_from and Path(cfg.init_from).is_dir():
+        path = Path(cfg.init_from) / "config.json"
+        if not path.is_file():
+            raise ConfigError(
+                f"init_from={cfg.init_from!r} is a directory without config.json, which model='hf' builds the "
+                "model from: add the config.json the weights were saved with (save_pretrained writes one), or "
+                "pass --hf-config"
+            )
+        return path
+    return None
+
+
+def hf_vocab_size(cfg: TrainConfig) -> int | None:
+    """The vocabulary size in ``model='hf'``'s config file (:func:`hf_config_file`), if there is one."""
+    path = hf_config_file(cfg)
+    if path is None:
+        return None
+    check_transformers()
+    transformers = importlib.import_module("transformers")
+    vocab = getattr(transformers.AutoConfig.from_pretrained(str(path)), "vocab_size", None)
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
 def _gpt(cfg: TrainConfig, vocab_size: int, device: torch.device) -> BuiltModel:
@@ -76,10 +147,8 @@ def _gpt(cfg: TrainConfig, vocab_size: int, device: torch.device) -> BuiltModel:
 
 def _hf_config(cfg: TrainConfig, vocab_size: int) -> Any:
     transformers = importlib.import_module("transformers")
-    if cfg.hf_config:
-        path = Path(cfg.hf_config)
-        if not path.exists():
-            raise ConfigError(f"hf_config={cfg.hf_config!r} does not exist: pass a local config.json or its directory")
+    path = hf_config_file(cfg)
+    if path is not None:
         hf = transformers.AutoConfig.from_pretrained(str(path))
         hf.vocab_size = vocab_size
         return hf
@@ -116,12 +185,8 @@ def _hf(cfg: TrainConfig, vocab_size: int, device: torch.device) -> BuiltModel:
     check_transformers()
     transformers = importlib.import_module("transformers")
     hf_cfg = _hf_config(cfg, vocab_size)
-    if device.type == "meta":
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
-    else:
-        torch.manual_seed(cfg.seed)
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(device)
+    with torch.device("meta"):  # see [Note: initialising a sharded Hugging Face model]
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     layers = _decoder_layers(model)
     if not layers:
         raise ConfigError(
@@ -136,13 +201,15 @@ def _hf(cfg: TrainConfig, vocab_size: int, device: torch.device) -> BuiltModel:
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> BuiltModel:
-    """The unsharded model; on ``device="meta"`` nothing is allocated (the
-    built-in GPT is always built there first, see [Note: initialising a sharded GPT]).
+    """The unsharded model, on the meta device (nothing is allocated):
+    :func:`shard_model` materialises each rank's shards and initialises them,
+    see [Note: initialising a sharded GPT] and [Note: initialising a sharded
+    Hugging Face model].
 
     Args:
         cfg: the configuration.
         vocab_size: the resolved vocabulary size.
-        device: where a Hugging Face model is built (``meta`` for a dry run).
+        device: the compute device (unused: every model is built on ``meta``).
     """
     if cfg.model == "gpt":
         return _gpt(cfg, vocab_size, device)
@@ -187,7 +254,9 @@ def _checkpointed(module: nn.Module) -> None:
 
 def shard_model(built: BuiltModel, cfg: TrainConfig, mesh: Any, device: torch.device) -> None:
     """Apply ``fully_shard`` (blocks bottom-up, then the root), activation
-    checkpointing, and materialise + initialise the built-in GPT on ``device``.
+    checkpointing, and materialise the shards on ``device`` and initialise
+    them: from ``seed``, or, for a Hugging Face model with ``init_from``, only
+    its non-persistent buffers (the caller then loads the weights).
 
     Args:
         built: from :func:`build_model`.
@@ -207,9 +276,13 @@ def shard_model(built: BuiltModel, cfg: TrainConfig, mesh: Any, device: torch.de
             fully_shard(block, reshard_after_forward=raf, **kw)
     fully_shard(built.model, reshard_after_forward=None if raf else False, **kw)
     model = built.model
+    model.to_empty(device=device)
     if isinstance(model, GPT):
-        model.to_empty(device=device)
         _init_gpt(model, cfg, summon_full_params)
+    elif cfg.init_from:
+        _init_hf_buffers(model)
+    else:
+        _init_hf(model, built.blocks, cfg, summon_full_params)
 
 
 def _init_gpt(model: GPT, cfg: TrainConfig, summon: Callable[..., Any]) -> None:
@@ -233,3 +306,39 @@ def _init_gpt(model: GPT, cfg: TrainConfig, summon: Callable[..., Any]) -> None:
                 continue
             else:
                 init_module_(module)
+
+
+def _init_hf(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig, summon: Callable[..., Any]) -> None:
+    """See [Note: initialising a sharded Hugging Face model]: transformers'
+    ``initialize_weights`` walk (``PreTrainedModel.smart_apply``), one group
+    gathered at a time."""
+    transformers = importlib.import_module("transformers")
+    init = importlib.import_module("transformers.initialization")
+    pretrained = transformers.PreTrainedModel
+    is_custom: Any = getattr(model, "is_custom_code", None)
+    custom = bool(is_custom()) if callable(is_custom) else False
+    gathered = {id(b) for b in blocks} if cfg.wrap == "blocks" else set()
+
+    def visit(module: nn.Module, top: Any) -> None:
+        with summon(module, recurse=False) if id(module) in gathered else contextlib.nullcontext():
+            for child in module.children():
+                visit(child, child if isinstance(child, pretrained) else top)
+            top._initialize_weights(module, custom)
+
+    torch.manual_seed(cfg.seed)
+    with torch.no_grad(), init.guard_torch_init_functions(), summon(model, recurse=cfg.wrap == "root"):
+        visit(model, model)
+
+
+def _init_hf_buffers(model: nn.Module) -> None:
+    """See [Note: initialising a sharded Hugging Face model]: what
+    ``from_pretrained`` does for the tensors a checkpoint does not hold."""
+    loaded = list(model.state_dict(keep_vars=True).values())
+    for t in loaded:
+        t._is_hf_initialized = True
+    try:
+        model.initialize_weights()  # type: ignore[operator]
+    finally:
+        for t in loaded:
+            with contextlib.suppress(AttributeError):
+                del t._is_hf_initialized
