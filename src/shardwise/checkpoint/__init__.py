@@ -7,8 +7,11 @@
 * :func:`latest`: the newest committed checkpoint under a root directory
   (``root/step-00000100/``, ...), ignoring partial ones.
 * :func:`export` / :func:`load_from_file`: the whole model in one unsharded
-  ``safetensors`` file (original names, full precision), gathered one group at
-  a time; and back, each rank reading only its own shards.
+  ``safetensors`` file (original names, full precision), or in a Hugging Face
+  model directory (``config.json``, safetensors shards and their index, as
+  ``save_pretrained`` writes it), gathered one group at a time; and back from
+  either (or any ``save_pretrained`` directory), each rank reading only its
+  own shards.
 
 Model and optimizer state dicts themselves need nothing from this package:
 ``model.state_dict()`` holds the sharded DTensors, and PyTorch's

@@ -1,16 +1,18 @@
-"""A whole model in one unsharded ``safetensors`` file, and back.
+"""A whole model in one unsharded ``safetensors`` file (or a Hugging Face
+model directory), and back.
 
 ``export`` writes what a plain, unsharded copy of the model would give from
 ``state_dict()`` (original names, full precision, buffers, every name of a tied
 weight) into one safetensors file that ``model.load_state_dict`` of such a copy
-accepts. Parameters are gathered one ``fully_shard`` group at a time (the
-engine's full-precision all-gather, as ``summon_full_params`` does) and
-streamed to the file by rank 0, so no rank holds more than one group's full
+accepts, or into a directory as ``save_pretrained`` writes it
+(``hf_directory.py``). Parameters are gathered one ``fully_shard`` group at a
+time (the engine's full-precision all-gather, as ``summon_full_params`` does)
+and streamed out by rank 0, so no rank holds more than one group's full
 parameters besides its own shards.
 
-``load_from_file`` does the reverse: every rank reads the header, checks it
+``load_from_file`` does the reverse: every rank reads the headers, checks them
 against the model, and seeks to and reads only its own shard of each tensor,
-so no rank materialises the whole model.
+one tensor at a time, so no rank materialises the whole model.
 """
 
 from __future__ import annotations
