@@ -6,6 +6,10 @@ launch (one node or many: the same code path). Flags override the TOML file;
 ``shardwise train --help`` lists them all. Every configuration mistake is
 reported before any rank starts, as ``shardwise train: error: ...`` with exit
 status 2.
+
+``shardwise plan [config.toml] [the same flags]`` runs the configured
+training step under fake tensors at ``--nproc`` ranks and reports each rank's
+memory and each step's communication (``--json FILE`` for tools).
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ examples:
 """
 
 
+_PLAN_EPILOG = """\
+examples:
+  shardwise plan --nproc 8 --precision bf16       # the built-in GPT on 8 ranks, a few seconds
+  shardwise plan --model hf --hf-config benchmarks/configs/llama3-405b.json --nproc 16384 \\
+      --precision bf16 --seq-len 8192 --batch-size 16384 --json plan.json
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     from shardwise.train.config import add_flags
 
@@ -45,14 +57,47 @@ def _parser() -> argparse.ArgumentParser:
                        help="a TOML file of settings (keys at the top level or under [model], [parallel], "
                             "[optim], [data], [checkpoint], [output])")
     add_flags(train)
+    plan = sub.add_parser(
+        "plan", help="each rank's memory and communication for a training run, before it runs",
+        description="Run one real training step (two, the first making the optimizer state) of the configured "
+                    "model under fake tensors and a fake process group at --nproc ranks, allocating nothing, and "
+                    "report each rank's peak memory by category and each step's communication. Takes the same "
+                    "settings as `shardwise train` (the data is not read: the step trains on random tokens).",
+        epilog=_PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("config", nargs="?", default=None, metavar="config.toml", help="a TOML file of settings")
+    plan.add_argument("--json", default="", metavar="FILE", help="also write the figures to FILE as JSON")
+    plan.add_argument("--rank", type=int, action="append", default=None, metavar="R",
+                      help="plan only rank R (repeatable); default: every rank")
+    plan.add_argument("--every-layer", action="store_true",
+                      help="run every repeated layer instead of 3 and 4 counted on to the full number")
+    add_flags(plan)
     return parser
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, command: str = "train") -> None:
     # Under torchrun every rank finds the same mistake; one message is enough.
     if os.environ.get("RANK", "0") == "0":
-        print(f"shardwise train: error: {message}", file=sys.stderr, flush=True)
+        print(f"shardwise {command}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
+
+
+def plan_command(ns: argparse.Namespace) -> None:
+    """``shardwise plan``: print (and with ``--json`` write) :func:`shardwise.train.plan.plan_training`'s result."""
+    from shardwise.errors import ShardwiseError
+    from shardwise.train.config import config_from_flags
+    from shardwise.train.plan import plan_training, print_plan, write_json
+
+    try:
+        cfg = config_from_flags(ns)
+        result = plan_training(cfg, ranks=ns.rank, repeat=not ns.every_layer)
+    except (ShardwiseError, ValueError, TypeError) as exc:
+        _fail(str(exc), 2, "plan")
+        return
+    print_plan(result, sys.stdout)
+    if ns.json:
+        write_json(result, ns.json)
+        print(f"\nwrote {ns.json}")
 
 
 def train_command(ns: argparse.Namespace) -> None:
@@ -112,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     ns = _parser().parse_args(argv)
     if ns.command == "train":
         train_command(ns)
+    elif ns.command == "plan":
+        plan_command(ns)
 
 
 if __name__ == "__main__":

@@ -277,9 +277,11 @@ def test_unsharded_params_share_one_buffer_freed_at_once():
 
 
 @multi_rank(world_sizes=(2,))
-def test_comm_buffers_are_reused_across_steps():
-    """After the first step, later steps take every all-gather and
-    reduce-scatter buffer from the pool: no new ones are allocated."""
+def test_comm_buffers_are_reused_within_a_step_and_freed_after_backward():
+    """Within a step, groups of one size share their buffers through the
+    pool (fewer buffers made than collectives issued); when backward ends
+    the pool is empty, so no buffer sits idle through the optimizer step;
+    every step then makes the same few again."""
     from shardwise._engine import collectives as coll
 
     model, cfg = _model()
@@ -292,15 +294,28 @@ def test_comm_buffers_are_reused_across_steps():
             fresh.append(numel)
         return orig_take(self, numel, dtype, device)
 
+    taken = []
+    orig_give = coll.BufferPool.give
+
+    def give(self, *buffers):
+        taken.extend(buffers)
+        return orig_give(self, *buffers)
+
     coll.BufferPool.take = take
+    coll.BufferPool.give = give
     try:
-        counts = []
+        counts, returned = [], []
         for seed in range(3):
-            before = len(fresh)
+            before, given = len(fresh), len(taken)
             _step(model, cfg, seed=seed)
+            pooled = [n for free in model._get_fsdp_state().ctx.pool._free.values() for n in free]
+            assert pooled == [], "buffers kept past the backward"
             model.zero_grad()
             counts.append(len(fresh) - before)
+            returned.append(len(taken) - given)
     finally:
         coll.BufferPool.take = orig_take
+        coll.BufferPool.give = orig_give
     assert counts[0] > 0, counts
-    assert counts[1:] == [0, 0], counts
+    assert counts[1:] == [counts[0]] * 2, counts
+    assert all(c < r for c, r in zip(counts, returned)), (counts, returned)  # reused within the step

@@ -28,7 +28,8 @@ LAYERS = {
     "shardwise.compat": 5,  # the wrapper API, above fully_shard and wrap
     "shardwise.models": 0,
     "shardwise.layout": 0,  # chunk arithmetic, used by every layer
-    "shardwise.planner": 0,  # depends on policies alone
+    "shardwise.planner": 0,  # depends on policies, layout and observe alone
+    "shardwise.observe": 0,  # what the engine tells observers (the planner's tracker)
     "shardwise.checkpoint": 4,  # state dicts over the engine, beside wrap
     "shardwise.testing": 9,
     "shardwise.train": 8,  # the main job, over everything but testing

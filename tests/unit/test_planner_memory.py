@@ -100,4 +100,7 @@ def test_planner_depends_on_the_bottom_layer_and_torch_only():
                 names = [node.module]
             for name in names:
                 if name.startswith("shardwise"):
-                    assert name in ("shardwise.policies", "shardwise.layout", "shardwise.planner.memory"), (path.name, name)
+                    assert name in (
+                        "shardwise.policies", "shardwise.layout", "shardwise.observe", "shardwise.planner.memory",
+                        "shardwise.planner.simulate", "shardwise.planner.tracker",
+                    ), (path.name, name)

@@ -13,6 +13,10 @@ reduce-scatter inputs once the collective completed) and hands them to the
 next collective of the same size, dtype and device: no allocator churn, no
 fresh pages to fault in, and resident memory stays at what is live at the
 peak. Reduce-scatter outputs are never pooled: gradients are views of them.
+The pool is emptied when the backward ends: buffers kept from one step to the
+next would sit idle through the optimizer step and the next forward (at a
+405B model on 16,384 ranks, ``shardwise plan`` counted 80 GiB of them per
+rank), where an allocator could have reused their memory for anything.
 """
 
 from __future__ import annotations

@@ -306,6 +306,7 @@ class ModuleState:
                 for state in ctx.states:
                     for group in state.groups:
                         group.wait_for_offloaded_grads()  # before the optimizer reads them
+                ctx.pool.clear()  # [Note: reused buffers]: nothing pooled outlives the backward
             finally:
                 ctx.post_forward_order.clear()
                 ctx.final_callback_queued = False

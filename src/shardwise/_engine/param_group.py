@@ -44,9 +44,11 @@ from typing import Any, Generic, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 import torch.nn as nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
+import shardwise.observe as observe
 from shardwise.comm import WorkHandle
 from shardwise.errors import ConfigError, MixedDtypeError
 from shardwise.layout import FlatLayout, ShardLayout
@@ -273,7 +275,7 @@ class ParamGroup:
         self.flat_sharded = None
         self.flat_by_dtype = []
         views: list[torch.Tensor] = []
-        if all(type(src) in (torch.Tensor, nn.Parameter) for src in sources):
+        if all(type(src) in _PLAIN_TYPES for src in sources):
             by_dtype: dict[torch.dtype, list[int]] = {}
             for i, src in enumerate(sources):
                 by_dtype.setdefault(src.dtype, []).append(i)
@@ -517,14 +519,15 @@ class ParamGroup:
             # whole shard group in backward), as PyTorch has no post-forward path for them.
             self.reshard()
             return
-        data = torch.empty(flat.total, dtype=self.params[0].unsharded_local().dtype, device=self.device)
-        offs = flat.offsets
-        for p, layout, a, b in zip(self.params, flat.layouts, offs, offs[1:]):
-            view = data[a:b].view(layout.padded_shape)
-            rows = layout.local_rows
-            if rows:
-                view.narrow(layout.dim, 0, rows).copy_(layout.local_chunk(p.unsharded_local()))
-            view.narrow(layout.dim, rows, layout.chunk - rows).zero_()
+        with trace(f"shardwise::reshard_post_forward ({self.name})"):
+            data = torch.empty(flat.total, dtype=self.params[0].unsharded_local().dtype, device=self.device)
+            offs = flat.offsets
+            for p, layout, a, b in zip(self.params, flat.layouts, offs, offs[1:]):
+                view = data[a:b].view(layout.padded_shape)
+                rows = layout.local_rows
+                if rows:
+                    view.narrow(layout.dim, 0, rows).copy_(layout.local_chunk(p.unsharded_local()))
+                view.narrow(layout.dim, rows, layout.chunk - rows).zero_()
         self._free_unsharded()
         self._post_forward_data = data
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
@@ -637,6 +640,8 @@ class ParamGroup:
                 up.grad = None
                 params.append(p)
                 grads.append(grad)
+            if observe.observing():
+                observe.tag("gradients", grads)
             # Free this group's parameters and issue the next gather (in
             # BACKWARD_POST mode) before reducing: the gradients are separate tensors.
             if settings.reshard_after_backward:
@@ -784,6 +789,12 @@ class ParamGroup:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
         self._partial = {}
+
+
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter, FakeTensor)
+"""Tensors laid out in the flat buffers; other subclasses (all-gather
+extensions such as torchao's float8 weights) get a buffer each. Fake tensors
+(the planner's) stand for plain ones."""
 
 
 def _same_version(t: torch.Tensor) -> AbstractContextManager[Any]:

@@ -11,11 +11,13 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 import torch.utils.dlpack
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
+import shardwise.observe as observe
 from shardwise.errors import ConfigError, UnsupportedError
 from shardwise.layout import ShardLayout
 from shardwise.mesh import MeshInfo, join_meshes
@@ -114,17 +116,36 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return local
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` start at the same address: ``data_ptr``
+    equality (shards re-wrapped through DLPack have storages of their own over
+    the flat buffer's memory); fake tensors (the planner's), which have no
+    addresses, compare storage and offset."""
+    if isinstance(a, FakeTensor) or isinstance(b, FakeTensor):
+        return (
+            a.untyped_storage()._cdata == b.untyped_storage()._cdata
+            and a.storage_offset() == b.storage_offset()
+        )
+    return a.data_ptr() == b.data_ptr()
+
+
 def free_storage(t: torch.Tensor) -> None:
     storage = t.untyped_storage()
-    if storage.size() != 0:
+    old = storage.size()
+    if old != 0:
         storage.resize_(0)
+        if observe.observing():
+            observe.storage_resized(storage, old)
 
 
 def alloc_storage(t: torch.Tensor) -> None:
     storage = t.untyped_storage()
     nbytes = t.numel() * t.element_size()
-    if storage.size() != nbytes:
+    old = storage.size()
+    if old != nbytes:
         storage.resize_(nbytes)
+        if observe.observing():
+            observe.storage_resized(storage, old)
 
 
 class ShardedParam:
@@ -271,7 +292,7 @@ class ShardedParam:
             local.device == self.sharded_data.device
             and local.dtype == self.sharded_data.dtype
             and local.device.type != "meta"
-            and local.data_ptr() == self.sharded_data.data_ptr()
+            and _same_memory(local, self.sharded_data)
         )
 
     def current_source(self) -> torch.Tensor:

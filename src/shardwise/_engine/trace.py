@@ -14,14 +14,38 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+import shardwise.observe as observe
+
 _NOTHING = nullcontext()
 
 
 def trace(name: str) -> AbstractContextManager[Any]:
-    """``record_function(name)`` while profiling, else a no-op context."""
+    """``record_function(name)`` while profiling; the same region told to
+    ``shardwise.observe``'s observers (the planner's memory tracker) while
+    one is registered; else a no-op context. ``name`` is
+    ``"shardwise::<kind> (<group>)"``."""
+    if observe.observing():
+        kind, _, rest = name.removeprefix("shardwise::").partition(" (")
+        inner = observe.region(kind, rest.removesuffix(")"))
+        if torch._C._autograd._profiler_enabled():
+            return _Both(record_function(name), inner)
+        return inner
     if torch._C._autograd._profiler_enabled():
         return record_function(name)
     return _NOTHING
+
+
+class _Both:
+    def __init__(self, first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.second.__exit__(*exc)
+        self.first.__exit__(*exc)
 
 
 __all__ = ["trace"]

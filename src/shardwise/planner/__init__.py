@@ -11,9 +11,18 @@ from shardwise.planner.memory import (
     shard_numel,
     unsharded_model_state,
 )
+from shardwise.planner.simulate import fake_world, rank_classes
+from shardwise.planner.tracker import CATEGORIES, COLLECTIVES, MemoryTracker, StepMemory, TimelinePoint
 
 __all__ = [
+    "CATEGORIES",
+    "COLLECTIVES",
     "GroupSpec",
+    "MemoryTracker",
+    "StepMemory",
+    "TimelinePoint",
+    "fake_world",
+    "rank_classes",
     "MemoryEstimate",
     "ParamSpec",
     "estimate_memory",

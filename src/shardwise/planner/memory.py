@@ -13,6 +13,9 @@ the inner "shard" dimension of a 2-D hybrid mesh), rank ``r`` holds
              parameters, which the optimizer steps on)
         G_r  the same count again: the reduced gradient shards, kept in the
              parameter's dtype (mixed precision upcasts after reduction)
+             (the engine stores both padded to the first chunk's rows, so
+             every rank's buffers hold ``padding`` bytes more than a short
+             chunk needs: ``MemoryEstimate.padding``)
         k    optimizer states per element: 2 for AdamW / Adam (``exp_avg``,
              ``exp_avg_sq``, each like the parameter: fp32 for fp32
              parameters); AdamW's scalar ``step`` is not counted
@@ -119,6 +122,7 @@ class MemoryEstimate:
     unsharded_peak: int
     root_unsharded: int
     offloaded: bool
+    padding: int = 0  # bytes each padded shard buffer (parameters, and gradients alike) holds beyond the chunk
 
     @property
     def model_state(self) -> int:
@@ -240,6 +244,8 @@ def estimate_memory(
     sharded = sum(
         shard_numel(p.shape, shard_size, index, p.shard_dim) * p.element_size for g in groups for p in g.params
     )
+    # Every rank stores its chunk padded to the first chunk's rows (collectives need equal sizes).
+    padded = sum(shard_numel(p.shape, shard_size, 0, p.shard_dim) * p.element_size for g in groups for p in g.params)
     inner = sorted((g.unsharded_bytes(param_dtype) for g in groups if not g.is_root), reverse=True)
     if reshard_after_forward is False:
         unsharded = sum(inner)
@@ -258,6 +264,7 @@ def estimate_memory(
         unsharded_peak=unsharded,
         root_unsharded=root,
         offloaded=offloaded,
+        padding=padded - sharded,
     )
 
 

@@ -198,6 +198,33 @@ class TrainConfig:
             f"--nproc-per-node), or a batch_size that is a multiple of {parts} (e.g. --batch-size {bigger})"
         )
 
+    def hybrid_shard_size(self, world_size: int, local_size: int | None = None) -> int:
+        """Ranks per shard group for ``strategy='hybrid'`` on ``world_size``
+        ranks (``shard_size``, else the ranks of one node when ``local_size``
+        says so, else half the ranks); ``0`` for the other strategies.
+
+        Args:
+            world_size: all ranks.
+            local_size: ranks per node under torchrun. (Default: ``None``: not under torchrun)
+        """
+        if self.strategy != "hybrid":
+            if self.shard_size:
+                raise ConfigError(
+                    f"shard_size={self.shard_size} only applies to strategy='hybrid' (got strategy="
+                    f"{self.strategy!r}): set strategy='hybrid' or drop shard_size"
+                )
+            return 0
+        size = self.shard_size
+        if not size:
+            size = local_size if local_size is not None and local_size < world_size else world_size // 2
+        if size < 1 or world_size % size:
+            raise ConfigError(
+                f"strategy='hybrid' with shard_size={size or self.shard_size} on {world_size} ranks: the shard groups "
+                f"must divide the world; set shard_size to a divisor of {world_size} smaller than it "
+                f"(e.g. {max(1, world_size // 2)}) or use strategy='full'"
+            )
+        return size
+
     def section_items(self) -> dict[str, dict[str, Any]]:
         """The values by TOML section, in field order (for printing)."""
         out: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}

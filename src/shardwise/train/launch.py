@@ -27,7 +27,7 @@ from shardwise.train.model import (
     planner_groups,
     reshard_after_forward,
 )
-from shardwise.train.report import fmt_bytes, table
+from shardwise.train.report import fmt_bytes
 
 __all__ = ["Plan", "World", "dry_run", "estimates", "preflight", "torchrun_world"]
 
@@ -76,26 +76,6 @@ def _device_type(cfg: TrainConfig, world: World) -> str:
             f"use --nproc {torch.cuda.device_count()} (one rank per GPU), or --device cpu"
         )
     return kind
-
-
-def _shard_size(cfg: TrainConfig, world: World) -> int:
-    if cfg.strategy != "hybrid":
-        if cfg.shard_size:
-            raise ConfigError(
-                f"shard_size={cfg.shard_size} only applies to strategy='hybrid' (got strategy={cfg.strategy!r}): "
-                "set strategy='hybrid' or drop shard_size"
-            )
-        return 0
-    size = cfg.shard_size
-    if not size:
-        size = world.local_size if world.torchrun and world.local_size < world.size else world.size // 2
-    if size < 1 or world.size % size:
-        raise ConfigError(
-            f"strategy='hybrid' with shard_size={size or cfg.shard_size} on {world.size} ranks: the shard groups "
-            f"must divide the world; set shard_size to a divisor of {world.size} smaller than it "
-            f"(e.g. {max(1, world.size // 2)}) or use strategy='full'"
-        )
-    return size
 
 
 def _check_checkpoint(path: Path, cfg: TrainConfig, vocab_size: int) -> None:
@@ -191,7 +171,7 @@ def preflight(cfg: TrainConfig, world: World) -> Plan:
             "fewer ranks"
         )
     device_type = _device_type(cfg, world)
-    cfg = replace(cfg, vocab_size=vocab, shard_size=_shard_size(cfg, world))
+    cfg = replace(cfg, vocab_size=vocab, shard_size=cfg.hybrid_shard_size(world.size, world.local_size if world.torchrun else None))
     if cfg.init_from:
         _check_init_from(cfg, vocab)
     if cfg.export:
@@ -211,56 +191,63 @@ def preflight(cfg: TrainConfig, world: World) -> Plan:
 
 
 def estimates(plan: Plan) -> tuple[list[MemoryEstimate], int]:
-    """Per-rank memory estimates (rank order) and an unsharded copy's model state, for ``plan``."""
+    """Per-rank model-state estimates by the formula (rank order, one per
+    shard index: ranks ``r`` and ``r + shard_size`` hold the same) and an
+    unsharded copy's model state, for ``plan``. Ranks owning equal chunks
+    share one evaluation (:func:`shardwise.planner.rank_classes`), so 16,384
+    ranks cost a handful."""
+    from shardwise.planner import rank_classes
+
     cfg = plan.cfg
     built = build_model(cfg, cfg.vocab_size, torch.device("meta"))
     groups = planner_groups(built, cfg)
     shard = cfg.shard_size or plan.world.size
-    per_rank = [
-        estimate_memory(groups, shard_size=shard, rank=r, mp_policy=mixed_precision(cfg),
-                        offload_policy=offload_policy(cfg), reshard_after_forward=reshard_after_forward(cfg))
-        for r in range(min(plan.world.size, shard))
-    ]
-    return per_rank, unsharded_model_state(groups)
+    count = min(plan.world.size, shard)
+    shapes = [(p.shape, p.shard_dim) for g in groups for p in g.params]
+    per_rank: list[MemoryEstimate | None] = [None] * count
+    for members in rank_classes(shapes, shard):
+        est = estimate_memory(groups, shard_size=shard, rank=members[0], mp_policy=mixed_precision(cfg),
+                              offload_policy=offload_policy(cfg), reshard_after_forward=reshard_after_forward(cfg))
+        for r in members:
+            per_rank[r] = replace(est, rank=r)
+    return [e for e in per_rank if e is not None], unsharded_model_state(groups)
 
 
 def dry_run(plan: Plan, out: TextIO | None = None) -> None:
-    """Print the resolved configuration and each rank's memory estimate; allocate nothing.
+    """Print the resolved configuration and each rank's memory and
+    communication from :func:`shardwise.train.plan.plan_training` (the real
+    step run under fake tensors), with the formula's model state beside it;
+    allocate nothing.
 
     Args:
         plan: from :func:`preflight`.
         out: where to print. (Default: ``sys.stdout``)
     """
+    from shardwise.train.plan import plan_training, print_plan
+
     out = out if out is not None else sys.stdout
     cfg, world = plan.cfg, plan.world
     built = build_model(cfg, cfg.vocab_size, torch.device("meta"))
     n_params = sum(p.numel() for p in built.model.parameters())
-    per_rank, unsharded = estimates(plan)
+    n_groups = len(planner_groups(built, cfg))
+    del built
     print(f"# shardwise train --dry-run: {world.size} ranks ({plan.device_type}), nothing allocated", file=out)
     print(render_toml(cfg), file=out)
-    print(f"model: {built.description}, {n_params:,} parameters ({fmt_bytes(4 * n_params)} in fp32), "
-          f"{len(planner_groups(built, cfg))} communication groups", file=out)
+    print(f"model: {n_params:,} parameters ({fmt_bytes(4 * n_params)} in fp32), {n_groups} communication groups",
+          file=out)
     print(f"data: {plan.source.description}, {plan.source.length:,} tokens; {plan.micro_batch} sequences per "
           f"rank per micro-step", file=out)
     if plan.resume_from is not None:
         print(f"resume from: {plan.resume_from}", file=out)
+    print(file=out)
+    print_plan(plan_training(cfg, world.size), out)
+    per_rank, unsharded = estimates(plan)
     where = "host (offloaded)" if cfg.offload else "device"
-    rows: list[list[str]] = []
-    # one row per run of ranks with equal estimates (ranks r and r + shard_size hold the same)
-    first = 0
-    for i, est in enumerate(per_rank):
-        cells = [fmt_bytes(est.sharded_params), fmt_bytes(est.sharded_grads), fmt_bytes(est.optimizer_state),
-                 fmt_bytes(est.unsharded_peak), fmt_bytes(est.root_unsharded), fmt_bytes(est.total)]
-        if rows and rows[-1][1:] == cells:
-            rows[-1][0] = f"{first}-{i}"
-        else:
-            first = i
-            rows.append([str(i), *cells])
-    print(f"\nper-rank memory estimate (model state on the {where}; activations not included):", file=out)
-    print(table(["rank", "params", "grads", "AdamW state", "unsharded peak", "root", "total"], rows), file=out)
+    est = per_rank[0]
+    print(f"\nby the formula (shardwise.planner.memory), rank 0's model state on the {where}: "
+          f"{fmt_bytes(est.model_state)} (params {fmt_bytes(est.sharded_params)} + grads "
+          f"{fmt_bytes(est.sharded_grads)} + AdamW state {fmt_bytes(est.optimizer_state)}), "
+          f"{est.model_state / unsharded:.1%} of the {fmt_bytes(unsharded)} an unsharded copy (DDP) holds", file=out)
     if len(per_rank) < world.size:
         print(f"(ranks r and r + k * {len(per_rank)} hold the same: the {world.size // len(per_rank)} replicas "
               "of the hybrid mesh)", file=out)
-    print(f"an unsharded copy (DDP) would hold {fmt_bytes(unsharded)} of model state per rank; rank 0 holds "
-          f"{fmt_bytes(per_rank[0].model_state)} ({per_rank[0].model_state / unsharded:.1%})", file=out)
-    print("formula: shardwise.planner.memory, [Note: the per-rank memory formula]", file=out)

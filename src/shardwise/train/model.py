@@ -252,7 +252,8 @@ def _checkpointed(module: nn.Module) -> None:
     module.forward = forward
 
 
-def shard_model(built: BuiltModel, cfg: TrainConfig, mesh: Any, device: torch.device) -> None:
+def shard_model(built: BuiltModel, cfg: TrainConfig, mesh: Any, device: torch.device, *,
+                initialise: bool = True) -> None:
     """Apply ``fully_shard`` (blocks bottom-up, then the root), activation
     checkpointing, and materialise the shards on ``device`` and initialise
     them: from ``seed``, or, for a Hugging Face model with ``init_from``, only
@@ -263,6 +264,9 @@ def shard_model(built: BuiltModel, cfg: TrainConfig, mesh: Any, device: torch.de
         cfg: the configuration.
         mesh: the 1-D or 2-D (replicate, shard) device mesh.
         device: the compute device.
+        initialise: initialise the weights; ``False`` leaves the shards
+            uninitialised (the planner's fake run, which needs no values).
+            (Default: ``True``)
     """
     from shardwise.fully_shard import fully_shard, summon_full_params
 
@@ -277,6 +281,8 @@ def shard_model(built: BuiltModel, cfg: TrainConfig, mesh: Any, device: torch.de
     fully_shard(built.model, reshard_after_forward=None if raf else False, **kw)
     model = built.model
     model.to_empty(device=device)
+    if not initialise:
+        return
     if isinstance(model, GPT):
         _init_gpt(model, cfg, summon_full_params)
     elif cfg.init_from:

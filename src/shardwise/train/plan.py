@@ -1,0 +1,370 @@
+"""``shardwise plan``: each rank's memory and communication for a training
+configuration, by running its real training step under fake tensors and a
+fake process group at the requested world size (see
+[Note: planning by fake execution] in ``shardwise.planner.simulate``).
+
+The Python API is :func:`plan_training`; ``shardwise plan`` prints its
+result and ``--json FILE`` writes it for tools.
+
+[Note: repeated layers, run twice and counted]
+A model of many identical layers (Llama-3-405B has 126) costs the same per
+layer: each adds its sharded state, its share of every collective and the
+activations it saves, and the step's peak falls at the same place relative
+to the layers (e.g. the last layer's reduce-scatter at the start of
+backward). So a model of more than five repeated layers is run with 3 and
+with 4 of them and every figure is counted on to the full number by the
+growth from 3 to 4. Where the two runs peak at different places, the growth
+is not one layer's worth and the whole model is run instead. Tests check
+the counted figures against a run of every layer (``test_planner_simulate``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from shardwise.planner import CATEGORIES, COLLECTIVES, MemoryTracker, StepMemory, TimelinePoint
+from shardwise.planner.simulate import fake_world, rank_classes
+from shardwise.train.config import TrainConfig
+from shardwise.train.model import BuiltModel, build_model, shard_model
+from shardwise.train.report import fmt_bytes, table
+from shardwise.train.schedule import learning_rate
+from shardwise.train.step import make_optimizer, training_step
+
+__all__ = ["RankPlan", "TrainingPlan", "plan_training", "print_plan", "run_tracked_steps"]
+
+CATEGORY_NAMES = {
+    "sharded_params": "sharded parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "unsharded_params": "unsharded parameters",
+    "activations": "activations",
+    "comm_buffers": "communication buffers",
+    "temporaries": "other temporaries",
+    "buffers": "module buffers",
+}
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's planned memory (bytes of live tensors)."""
+
+    rank: int
+    peak_bytes: int
+    by_category: dict[str, int]
+    simulated_as: int  # the rank whose run these figures come from (same chunk sizes)
+    end_by_category: dict[str, int] = field(default_factory=dict)  # standing after the optimizer step
+
+
+@dataclass
+class TrainingPlan:
+    """The result of :func:`plan_training`."""
+
+    world_size: int
+    ranks: list[RankPlan]  # every rank, in rank order
+    heaviest_rank: int  # the lowest rank with the highest peak
+    comm_bytes_per_step: dict[str, int]  # per rank per optimizer step, by collective kind
+    collectives_per_step: dict[str, int]
+    peak_at: str  # phase and engine region of the heaviest rank's peak
+    timeline: list[TimelinePoint]  # the heaviest rank's last step
+    simulated_ranks: list[int]
+    seconds: float
+    config: dict[str, Any] = field(default_factory=dict)
+    layers_run: tuple[int, ...] = ()  # repeated-layer counts actually run (all of them, or 3 and 4)
+    layers: int = 0  # the model's repeated layers
+
+    def to_json(self) -> dict[str, Any]:
+        """The figures for tools (the ``--json`` file's content)."""
+        return {
+            "world_size": self.world_size,
+            "ranks": [{"rank": r.rank, "peak_bytes": r.peak_bytes, "by_category": r.by_category} for r in self.ranks],
+            "heaviest_rank": self.heaviest_rank,
+            "comm_bytes_per_step": {k: self.comm_bytes_per_step.get(k, 0)
+                                    for k in ("all_gather", "reduce_scatter", "all_reduce")},
+            "collectives_per_step": self.collectives_per_step,
+            "peak_at": self.peak_at,
+            "timeline": [{"at": p.label, "live_bytes": p.live_bytes} for p in self.timeline],
+            "simulated_ranks": self.simulated_ranks,
+            "seconds": round(self.seconds, 3),
+            "layers": self.layers,
+            "layers_run": list(self.layers_run),
+            "config": self.config,
+        }
+
+
+def _mesh(cfg: TrainConfig, world_size: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if cfg.strategy == "hybrid":
+        shard = cfg.shard_size
+        return init_device_mesh("cpu", (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+
+
+def run_tracked_steps(
+    cfg: TrainConfig, world_size: int, micro_batch: int, *, steps: int = 2,
+    mode: AbstractContextManager[Any] | None = None,
+) -> StepMemory:
+    """Build and shard ``cfg``'s model in the current process group (real or
+    fake), run ``steps`` training steps on random tokens under a
+    :class:`MemoryTracker` and return what it measured. The planner runs this
+    under :func:`fake_world`; the tests run it on real gloo ranks to check the
+    planner against measurement.
+
+    Args:
+        cfg: the configuration (``vocab_size`` resolved).
+        world_size: the ranks of the current process group.
+        micro_batch: sequences per rank per micro-step.
+        steps: optimizer steps to run (the first makes the optimizer state). (Default: ``2``)
+        mode: a context to materialise the model and run the steps under
+            (``fake_world``'s ``FakeTensorMode``). (Default: ``None``: real tensors)
+    """
+    device = torch.device("cpu")
+    built = build_model(cfg, cfg.vocab_size, torch.device("meta"))
+    mesh = _mesh(cfg, world_size)
+    with mode if mode is not None else nullcontext():
+        return _tracked(cfg, built, mesh, device, micro_batch, steps)
+
+
+def _tracked(cfg: TrainConfig, built: BuiltModel, mesh: Any, device: torch.device, micro_batch: int,
+             steps: int) -> StepMemory:
+    tracker = MemoryTracker()  # from sharding on: the flat shard buffers are made there
+    generator = torch.Generator().manual_seed(cfg.seed)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        tracker.phase("batch")
+        tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    with tracker:
+        shard_model(built, cfg, mesh, device, initialise=False)  # memory does not depend on the values
+        model = built.model
+        optim = make_optimizer(model, cfg)
+        tracker.watch(model, optim)
+        for step in range(1, steps + 1):
+            lr = learning_rate(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps)
+            with tracker.step():
+                loss = training_step(model, built.logits, optim, next_batch, grad_accum=cfg.grad_accum,
+                                     grad_clip=cfg.grad_clip, lr=lr, on_phase=tracker.phase)
+                dist.all_reduce(loss)  # the loop's loss for the log
+            optim.zero_grad(set_to_none=True)
+    return tracker.result()
+
+
+def _resolved(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    from shardwise.train.model import hf_vocab_size
+
+    vocab = cfg.vocab_size or (hf_vocab_size(cfg) if cfg.model == "hf" else None) or 256
+    return replace(cfg, vocab_size=vocab, shard_size=cfg.hybrid_shard_size(world_size), init_from="")
+
+
+REPEAT_RUN = (3, 4)
+"""Layer counts run in place of a model's many repeated layers (see
+[Note: repeated layers, run twice and counted])."""
+
+
+def _with_layers(cfg: TrainConfig, layers: int, tmp: Path) -> TrainConfig:
+    """``cfg`` with ``layers`` repeated layers (a Hugging Face config is copied with ``num_hidden_layers`` set)."""
+    from shardwise.train.model import hf_config_file
+
+    if cfg.model == "gpt":
+        return replace(cfg, n_layers=layers)
+    path = hf_config_file(cfg)
+    if path is None:
+        return replace(cfg, n_layers=layers)
+    raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    total = raw.get("num_hidden_layers")
+    raw["num_hidden_layers"] = layers
+    for key, value in list(raw.items()):  # per-layer lists (e.g. layer_types) follow the layer count
+        if isinstance(value, list) and total is not None and len(value) == total:
+            raw[key] = value[:layers]
+    out = tmp / f"config-{layers}.json"
+    out.write_text(json.dumps(raw))
+    return replace(cfg, hf_config=str(out))
+
+
+def _layer_free(label: str, layers: int) -> str:
+    """``"reduce_scatter (model.layers.3)"`` with the layer index counted from the last (``layers.-1``)."""
+    import re
+
+    return re.sub(r"\.(\d+)\)", lambda m: f".{int(m.group(1)) - layers})", label)
+
+
+def _extrapolate(a: StepMemory, b: StepMemory, ka: int, kb: int, n: int) -> StepMemory | None:
+    """The figures at ``n`` layers from runs at ``ka`` and ``kb``: each grows
+    by the same amount per layer. ``None`` when the two runs peak at different
+    places (then the growth per layer is not one layer's worth)."""
+    if _layer_free(a.peak_at, ka) != _layer_free(b.peak_at, kb):
+        return None
+    steps = n - kb
+
+    def grow(x: int, y: int) -> int:
+        return y + (y - x) * steps // (kb - ka)
+
+    return StepMemory(
+        peak_bytes=grow(a.peak_bytes, b.peak_bytes),
+        by_category={c: grow(a.by_category[c], b.by_category[c]) for c in b.by_category},
+        peak_at=_layer_free(b.peak_at, kb).replace(".-1)", f".{n - 1})"),
+        timeline=b.timeline,
+        comm_bytes_per_step={k: grow(a.comm_bytes_per_step[k], v) for k, v in b.comm_bytes_per_step.items()},
+        collectives_per_step={k: grow(a.collectives_per_step[k], v) for k, v in b.collectives_per_step.items()},
+        end_by_category={c: grow(a.end_by_category[c], v) for c, v in b.end_by_category.items()},
+    )
+
+
+def _simulate_rank(cfg: TrainConfig, world: int, micro: int, rank: int, steps: int, layers: int,
+                   repeat: bool, tmp: Path) -> tuple[StepMemory, bool]:
+    """One rank's figures, and whether the repeated layers were extrapolated."""
+
+    def run(c: TrainConfig) -> StepMemory:
+        with fake_world(world, rank) as mode:
+            return run_tracked_steps(c, world, micro, steps=steps, mode=mode)
+
+    ka, kb = REPEAT_RUN
+    if repeat and layers > kb + 1:
+        got = _extrapolate(run(_with_layers(cfg, ka, tmp)), run(_with_layers(cfg, kb, tmp)), ka, kb, layers)
+        if got is not None:
+            return got, True
+    return run(cfg), False
+
+
+def plan_training(
+    cfg: TrainConfig, world_size: int | None = None, *, ranks: Sequence[int] | None = None, steps: int = 2,
+    repeat: bool = True,
+) -> TrainingPlan:
+    """Each rank's peak memory by category and each step's communication
+    for ``cfg`` at ``world_size`` ranks, by running the real training step
+    under :func:`~shardwise.planner.simulate.fake_world` (nothing is
+    allocated; see [Note: planning by fake execution]). One rank of each
+    class of ranks with equal chunk sizes is run; the others get its figures.
+
+    Run it in a process without a default process group (it creates and
+    destroys a fake one per simulated rank).
+
+    Args:
+        cfg: the configuration (as ``shardwise train`` takes it; the data is
+            not read, nor ``init_from``'s weights: the steps train on random
+            tokens of ``seq_len``).
+        world_size: ranks to plan for. (Default: ``None``: ``cfg.nproc``)
+        ranks: run these ranks' classes only (others are not reported).
+            (Default: ``None``: every class)
+        steps: steps to run per rank; the highest peak counts. (Default: ``2``)
+        repeat: run a model of many repeated layers at 3 and 4 layers and
+            count the rest (see [Note: repeated layers, run twice and counted]);
+            ``False`` runs every layer. (Default: ``True``)
+    """
+    import tempfile
+
+    start = time.perf_counter()
+    world = cfg.nproc if world_size is None else world_size
+    cfg = _resolved(cfg, world)
+    micro = cfg.micro_batch(world)
+    built = build_model(cfg, cfg.vocab_size, torch.device("meta"))
+    shapes = [(tuple(p.shape), 0) for p in built.model.parameters()]
+    layers = len(built.blocks)
+    del built
+    classes = rank_classes(shapes, world, cfg.shard_size or None)
+    if ranks is not None:
+        wanted = set(ranks)
+        bad = sorted(r for r in wanted if not 0 <= r < world)
+        if bad:
+            raise ValueError(f"plan_training: ranks {bad} are outside [0, {world}): pass ranks of the world")
+        classes = [[r for r in members if r in wanted] for members in classes]
+        classes = [c for c in classes if c]
+    results: dict[int, StepMemory] = {}
+    per_rank: list[RankPlan] = []
+    counted = False
+    with tempfile.TemporaryDirectory(prefix="shardwise-plan-") as tmp:
+        for members in classes:
+            rep = members[0]
+            results[rep], counted = _simulate_rank(cfg, world, micro, rep, steps, layers, repeat, Path(tmp))
+            res = results[rep]
+            per_rank.extend(RankPlan(r, res.peak_bytes, dict(res.by_category), rep, dict(res.end_by_category))
+                            for r in members)
+    per_rank.sort(key=lambda r: r.rank)
+    heaviest = max(per_rank, key=lambda r: (r.peak_bytes, -r.rank))
+    top = results[heaviest.simulated_as]
+    from shardwise.train.config import as_dict
+
+    return TrainingPlan(
+        world_size=world,
+        ranks=per_rank,
+        heaviest_rank=heaviest.rank,
+        comm_bytes_per_step=dict(top.comm_bytes_per_step),
+        collectives_per_step=dict(top.collectives_per_step),
+        peak_at=top.peak_at,
+        timeline=list(top.timeline),
+        simulated_ranks=sorted(results),
+        seconds=time.perf_counter() - start,
+        config=as_dict(cfg),
+        layers_run=REPEAT_RUN if counted else (layers,),
+        layers=layers,
+    )
+
+
+def _timeline_rows(points: list[TimelinePoint], limit: int = 12) -> list[list[str]]:
+    """Phase changes, and the engine regions where live memory was highest, in step order."""
+    phases = {"batch", "forward", "backward", "optimizer", "after step"}
+    keep = {i for i, p in enumerate(points) if p.label in phases and (i == 0 or points[i - 1].label != p.label)}
+    others = sorted((i for i in range(len(points)) if i not in keep), key=lambda i: -points[i].live_bytes)
+    keep.update(others[: max(0, limit - len(keep))])
+    return [[points[i].label, fmt_bytes(points[i].live_bytes)] for i in sorted(keep)]
+
+
+def print_plan(plan: TrainingPlan, out: TextIO) -> None:
+    """The plan as ``shardwise plan`` prints it."""
+    cfg = plan.config
+    print(f"# shardwise plan: {plan.world_size} ranks, {cfg.get('model')} model, {cfg.get('strategy')} sharding, "
+          f"{cfg.get('precision')}, batch {cfg.get('batch_size')} x seq {cfg.get('seq_len')}; ran the training "
+          f"step under fake tensors for rank(s) {_ranges(plan.simulated_ranks)} in {plan.seconds:.1f} s", file=out)
+    if plan.layers_run != (plan.layers,):
+        print(f"(the model's {plan.layers} repeated layers were run as {' and '.join(map(str, plan.layers_run))} "
+              "and counted on: see [Note: repeated layers, run twice and counted])", file=out)
+    by_peak: dict[tuple[int, tuple[tuple[str, int], ...]], list[int]] = {}
+    for r in plan.ranks:
+        by_peak.setdefault((r.peak_bytes, tuple(r.by_category.items())), []).append(r.rank)
+    shown = [c for c in CATEGORIES if any(r.by_category.get(c, 0) for r in plan.ranks)]
+    rows = []
+    for (peak, cats), members in sorted(by_peak.items(), key=lambda kv: kv[1][0]):
+        d = dict(cats)
+        rows.append([_ranges(members), fmt_bytes(peak)] + [fmt_bytes(d.get(c, 0)) for c in shown])
+    print("\npeak live tensor memory per rank, and what it is made of at the peak:", file=out)
+    print(table(["ranks", "peak"] + [CATEGORY_NAMES[c] for c in shown], rows), file=out)
+    print(f"heaviest rank: {plan.heaviest_rank} (peak during {plan.peak_at})", file=out)
+    comm = plan.comm_bytes_per_step
+    calls = plan.collectives_per_step
+    print("\ncommunication per rank per optimizer step:", file=out)
+    print(table(["collective", "calls", "bytes"],
+                [[k.replace("_", "-"), str(calls.get(k, 0)), fmt_bytes(comm.get(k, 0))] for k in COLLECTIVES
+                 if calls.get(k, 0)]), file=out)
+    print("\ntimeline of the heaviest rank's step (live bytes when each phase / engine region began):", file=out)
+    print(table(["at", "live"], _timeline_rows(plan.timeline)), file=out)
+
+
+def write_json(plan: TrainingPlan, path: str) -> None:
+    """Write :meth:`TrainingPlan.to_json` to ``path``."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(plan.to_json(), indent=1) + "\n")
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    out: list[str] = []
+    ordered = sorted(ranks)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    if len(out) > 6:
+        out = out[:3] + ["..."] + out[-2:]
+    return ", ".join(out)
