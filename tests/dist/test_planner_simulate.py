@@ -2,7 +2,7 @@
 tensors and a fake process group (the planner) and the same step run for
 real on gloo ranks, both under the memory tracker, agree on each rank's
 peak of live tensor bytes within 5% and on the bytes of every collective
-exactly; repeated layers counted on from 3 and 4 equal a run of every layer;
+exactly; repeated layers counted on from 4, 5 and 6 equal a run of every layer;
 the formula agrees with the fake run on model state; the tracker itself is
 checked against a plain count of live storages."""
 
@@ -76,7 +76,7 @@ def test_hybrid_sharding_plan_matches_measurement():
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(n_layers=8), dict(n_layers=7, strategy="shard-grad-op", grad_accum=2), dict(n_layers=8, wrap="root")],
+    [dict(n_layers=9), dict(n_layers=8, strategy="shard-grad-op", grad_accum=2), dict(n_layers=9, wrap="root")],
     ids=["blocks", "shard-grad-op-accum", "root"],
 )
 def test_repeated_layers_counted_equal_every_layer_run(settings):
@@ -85,7 +85,7 @@ def test_repeated_layers_counted_equal_every_layer_run(settings):
     cfg = TrainConfig(nproc=2, batch_size=8, **settings)
     counted = plan_training(cfg)
     every = plan_training(cfg, repeat=False)
-    assert counted.layers_run == (3, 4) and every.layers_run == (settings["n_layers"],)
+    assert counted.layers_run == (4, 5, 6) and every.layers_run == (settings["n_layers"],)
     for a, b in zip(counted.ranks, every.ranks):
         assert (a.peak_bytes, a.by_category, a.end_by_category) == (b.peak_bytes, b.by_category, b.end_by_category)
     assert counted.comm_bytes_per_step == every.comm_bytes_per_step

@@ -6,21 +6,26 @@ fake process group at the requested world size (see
 The Python API is :func:`plan_training`; ``shardwise plan`` prints its
 result and ``--json FILE`` writes it for tools.
 
-[Note: repeated layers, run twice and counted]
+[Note: repeated layers counted]
 A model of many identical layers (Llama-3-405B has 126) costs the same per
 layer: each adds its sharded state, its share of every collective and the
 activations it saves, and the step's peak falls at the same place relative
-to the layers (e.g. the last layer's reduce-scatter at the start of
-backward). So a model of more than five repeated layers is run with 3 and
-with 4 of them and every figure is counted on to the full number by the
-growth from 3 to 4. Where the two runs peak at different places, the growth
-is not one layer's worth and the whole model is run instead. Tests check
-the counted figures against a run of every layer (``test_planner_simulate``).
+to the layers (e.g. the second-to-last layer's reduce-scatter early in
+backward). So a model of more than six repeated layers is run with 4, 5 and
+6 of them; when the three peak at the same place relative to the last layer
+and every figure (peak, each category, each collective's bytes and calls)
+grows by the same amount from 4 to 5 as from 5 to 6, each further layer adds
+that amount again. Otherwise (a peak that moves, as it does between 3 and 4
+layers of Llama-3-405B, where 3 peak at the root's reduce-scatter) the whole
+model is run. Tests check the counted figures against a run of every layer
+(``test_planner_simulate``); for Llama-3-405B at 16,384 ranks they equal the
+full run's to the byte.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -78,7 +83,7 @@ class TrainingPlan:
     simulated_ranks: list[int]
     seconds: float
     config: dict[str, Any] = field(default_factory=dict)
-    layers_run: tuple[int, ...] = ()  # repeated-layer counts actually run (all of them, or 3 and 4)
+    layers_run: tuple[int, ...] = ()  # repeated-layer counts actually run (all of them, or 4, 5 and 6)
     layers: int = 0  # the model's repeated layers
 
     def to_json(self) -> dict[str, Any]:
@@ -166,9 +171,9 @@ def _resolved(cfg: TrainConfig, world_size: int) -> TrainConfig:
     return replace(cfg, vocab_size=vocab, shard_size=cfg.hybrid_shard_size(world_size), init_from="")
 
 
-REPEAT_RUN = (3, 4)
+REPEAT_RUN = (4, 5, 6)
 """Layer counts run in place of a model's many repeated layers (see
-[Note: repeated layers, run twice and counted])."""
+[Note: repeated layers counted])."""
 
 
 def _with_layers(cfg: TrainConfig, layers: int, tmp: Path) -> TrainConfig:
@@ -193,44 +198,50 @@ def _with_layers(cfg: TrainConfig, layers: int, tmp: Path) -> TrainConfig:
 
 def _layer_free(label: str, layers: int) -> str:
     """``"reduce_scatter (model.layers.3)"`` with the layer index counted from the last (``layers.-1``)."""
-    import re
-
     return re.sub(r"\.(\d+)\)", lambda m: f".{int(m.group(1)) - layers})", label)
 
 
-def _extrapolate(a: StepMemory, b: StepMemory, ka: int, kb: int, n: int) -> StepMemory | None:
-    """The figures at ``n`` layers from runs at ``ka`` and ``kb``: each grows
-    by the same amount per layer. ``None`` when the two runs peak at different
-    places (then the growth per layer is not one layer's worth)."""
-    if _layer_free(a.peak_at, ka) != _layer_free(b.peak_at, kb):
-        return None
-    steps = n - kb
+def _figures(m: StepMemory) -> list[int]:
+    return [m.peak_bytes, *m.by_category.values(), *m.end_by_category.values(), *m.comm_bytes_per_step.values(),
+            *m.collectives_per_step.values()]
 
-    def grow(x: int, y: int) -> int:
-        return y + (y - x) * steps // (kb - ka)
+
+def _extrapolate(runs: list[StepMemory], ks: tuple[int, ...], n: int) -> StepMemory | None:
+    """The figures at ``n`` layers from runs at consecutive layer counts
+    ``ks``: ``None`` unless every run peaks at the same place relative to the
+    last layer and every figure grows by the same amount from one run to the
+    next (then each further layer adds that amount again)."""
+    places = {_layer_free(r.peak_at, k) for r, k in zip(runs, ks)}
+    diffs = [[y - x for x, y in zip(_figures(a), _figures(b))] for a, b in zip(runs, runs[1:])]
+    if len(places) != 1 or any(d != diffs[0] for d in diffs):
+        return None
+    last, extra = runs[-1], n - ks[-1]
+
+    def grow(key: str, values: dict[str, int]) -> dict[str, int]:
+        before = getattr(runs[-2], key)
+        return {c: v + (v - before[c]) * extra for c, v in values.items()}
 
     return StepMemory(
-        peak_bytes=grow(a.peak_bytes, b.peak_bytes),
-        by_category={c: grow(a.by_category[c], b.by_category[c]) for c in b.by_category},
-        peak_at=_layer_free(b.peak_at, kb).replace(".-1)", f".{n - 1})"),
-        timeline=b.timeline,
-        comm_bytes_per_step={k: grow(a.comm_bytes_per_step[k], v) for k, v in b.comm_bytes_per_step.items()},
-        collectives_per_step={k: grow(a.collectives_per_step[k], v) for k, v in b.collectives_per_step.items()},
-        end_by_category={c: grow(a.end_by_category[c], v) for c, v in b.end_by_category.items()},
+        peak_bytes=last.peak_bytes + (last.peak_bytes - runs[-2].peak_bytes) * extra,
+        by_category=grow("by_category", last.by_category),
+        peak_at=re.sub(r"\.(-\d+)\)", lambda m: f".{n + int(m.group(1))})", places.pop()),
+        timeline=last.timeline,
+        comm_bytes_per_step=grow("comm_bytes_per_step", last.comm_bytes_per_step),
+        collectives_per_step=grow("collectives_per_step", last.collectives_per_step),
+        end_by_category=grow("end_by_category", last.end_by_category),
     )
 
 
 def _simulate_rank(cfg: TrainConfig, world: int, micro: int, rank: int, steps: int, layers: int,
                    repeat: bool, tmp: Path) -> tuple[StepMemory, bool]:
-    """One rank's figures, and whether the repeated layers were extrapolated."""
+    """One rank's figures, and whether the repeated layers were counted on."""
 
     def run(c: TrainConfig) -> StepMemory:
         with fake_world(world, rank) as mode:
             return run_tracked_steps(c, world, micro, steps=steps, mode=mode)
 
-    ka, kb = REPEAT_RUN
-    if repeat and layers > kb + 1:
-        got = _extrapolate(run(_with_layers(cfg, ka, tmp)), run(_with_layers(cfg, kb, tmp)), ka, kb, layers)
+    if repeat and layers > REPEAT_RUN[-1]:
+        got = _extrapolate([run(_with_layers(cfg, k, tmp)) for k in REPEAT_RUN], REPEAT_RUN, layers)
         if got is not None:
             return got, True
     return run(cfg), False
@@ -257,8 +268,8 @@ def plan_training(
         ranks: run these ranks' classes only (others are not reported).
             (Default: ``None``: every class)
         steps: steps to run per rank; the highest peak counts. (Default: ``2``)
-        repeat: run a model of many repeated layers at 3 and 4 layers and
-            count the rest (see [Note: repeated layers, run twice and counted]);
+        repeat: run a model of many repeated layers at 4, 5 and 6 layers and
+            count the rest (see [Note: repeated layers counted]);
             ``False`` runs every layer. (Default: ``True``)
     """
     import tempfile
@@ -326,8 +337,9 @@ def print_plan(plan: TrainingPlan, out: TextIO) -> None:
           f"{cfg.get('precision')}, batch {cfg.get('batch_size')} x seq {cfg.get('seq_len')}; ran the training "
           f"step under fake tensors for rank(s) {_ranges(plan.simulated_ranks)} in {plan.seconds:.1f} s", file=out)
     if plan.layers_run != (plan.layers,):
-        print(f"(the model's {plan.layers} repeated layers were run as {' and '.join(map(str, plan.layers_run))} "
-              "and counted on: see [Note: repeated layers, run twice and counted])", file=out)
+        run = ", ".join(map(str, plan.layers_run[:-1])) + f" and {plan.layers_run[-1]}"
+        print(f"(the model's {plan.layers} repeated layers were run as {run} and counted on: see "
+              "[Note: repeated layers counted] in shardwise.train.plan)", file=out)
     by_peak: dict[tuple[int, tuple[tuple[str, int], ...]], list[int]] = {}
     for r in plan.ranks:
         by_peak.setdefault((r.peak_bytes, tuple(r.by_category.items())), []).append(r.rank)
