@@ -410,13 +410,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, stage):
     dist.barrier()
     assert checkpoint.latest(root) == good
     assert [s for s, _ in checkpoint.list_checkpoints(root)] == [1]
-    left = sorted(os.listdir(root))
-    if stage == "marker":  # renamed but never marked complete: not a checkpoint
-        assert left == ["step-00000001", "step-00000002"]
-        with pytest.raises(checkpoint.CheckpointError, match="not a complete checkpoint"):
-            checkpoint.load(Path(root) / "step-00000002", model, opt)
-    else:
-        assert left == ["step-00000001"]  # the staging directory is cleaned up
+    # the staging directory is cleaned up (a failed marker renames it back first)
+    assert sorted(os.listdir(root)) == ["step-00000001"]
     fresh = _model(cfg)
     fresh_opt = _optim(fresh)
     assert checkpoint.load(checkpoint.latest(root), fresh, fresh_opt) == {"step": 1}

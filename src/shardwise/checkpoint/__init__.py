@@ -4,6 +4,9 @@
   ``torch.distributed.checkpoint`` (every rank writes only its shards; loading
   reshards to any world size), committed atomically: a checkpoint directory
   becomes visible only once every rank's data and the metadata are durable.
+  ``save(..., async_mode=True)`` copies the state and writes it in the
+  background (``torch.distributed.checkpoint.async_save``), returning an
+  :class:`AsyncSave` whose ``wait()`` returns once it is committed.
 * :func:`latest`: the newest committed checkpoint under a root directory
   (``root/step-00000100/``, ...), ignoring partial ones.
 * :func:`export` / :func:`load_from_file`: the whole model in one unsharded
@@ -23,11 +26,12 @@ Every error about a checkpoint's contents is a :class:`CheckpointError` (a
 """
 
 from shardwise.checkpoint.commit import checkpoint_path, latest, list_checkpoints
-from shardwise.checkpoint.sharded import load, save
+from shardwise.checkpoint.sharded import AsyncSave, load, save
 from shardwise.checkpoint.single_file import export, load_from_file
 from shardwise.errors import CheckpointError
 
 __all__ = [
+    "AsyncSave",
     "CheckpointError",
     "checkpoint_path",
     "export",

@@ -25,6 +25,8 @@ Layout (``save(root, ..., step=N)``; ``save(path, ...)`` uses ``path`` itself)::
    than the highest among the committed checkpoints beside it: the commit
    order, which ``latest`` follows; markers written before it existed have
    none and order by their ``created`` time, before every sequenced one).
+If writing the marker fails (a full disk), rank 0 renames the directory back
+to its staging name and removes it, and a checkpoint it replaced goes back.
 A directory is a checkpoint if and only if it holds a valid marker. A process
 killed at any point leaves either a ``.tmp-`` directory (no marker) or, between
 the rename and the marker, a final-named directory without a marker; neither is
@@ -365,7 +367,17 @@ def commit(tmp: Path, final: Path, marker: Marker, token: str) -> None:
         os.replace(final, old)
     os.replace(tmp, final)
     fsync_dir(final.parent)
-    write_marker(final, marker)
+    try:
+        write_marker(final, marker)
+    except BaseException:
+        # Not committed after all (a full disk, say): the directory goes back to its staging name (the
+        # caller removes it) and the checkpoint it replaced back in place.
+        with contextlib.suppress(OSError):
+            os.replace(final, tmp)
+            if old is not None:
+                os.replace(old, final)
+            fsync_dir(final.parent)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from shardwise.errors import CheckpointError
 
@@ -37,26 +38,28 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def broadcast_object(obj: T) -> T:
-    """Rank 0's ``obj`` on every rank."""
-    if not is_distributed() or dist.get_world_size() == 1:
+def broadcast_object(obj: T, group: ProcessGroup | None = None) -> T:
+    """Rank 0's ``obj`` on every rank (of ``group``: default, the world)."""
+    if not is_distributed() or dist.get_world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def all_gather_object(obj: T) -> list[T]:
-    if not is_distributed() or dist.get_world_size() == 1:
+def all_gather_object(obj: T, group: ProcessGroup | None = None) -> list[T]:
+    """Every rank's ``obj`` (of ``group``: default, the world), in rank order."""
+    if not is_distributed() or dist.get_world_size(group) == 1:
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def agree(error: BaseException | None) -> None:
-    """Raise on every rank if ``error`` is set on any (see [Note: failing together])."""
-    messages = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+def agree(error: BaseException | None, group: ProcessGroup | None = None) -> None:
+    """Raise on every rank (of ``group``: default, the world) if ``error`` is
+    set on any (see [Note: failing together])."""
+    messages = all_gather_object(None if error is None else f"{type(error).__name__}: {error}", group)
     if error is not None:
         raise error
     for r, msg in enumerate(messages):
