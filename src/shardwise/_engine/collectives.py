@@ -15,8 +15,13 @@ fresh pages to fault in, and resident memory stays at what is live at the
 peak. Reduce-scatter outputs are never pooled: gradients are views of them.
 The pool is emptied when the backward ends: buffers kept from one step to the
 next would sit idle through the optimizer step and the next forward (at a
-405B model on 16,384 ranks, ``shardwise plan`` counted 80 GiB of them per
-rank), where an allocator could have reused their memory for anything.
+405B model on 16,384 ranks, ``shardwise plan`` counted 70 GiB of them per
+rank), where an allocator could have reused their memory for anything; and
+it keeps at most two buffers of a size (more were never taken again).
+Within the backward, idle buffers of the blocks' sizes still stand while the
+root (of another size) reduces: with activation checkpointing they are most
+of that model's planned peak, a known cost of exact-size pooling (freeing
+them on a miss was tried and raised the plan's peak elsewhere; left open).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ class BufferPool:
     """Free communication buffers by (numel, dtype, device); see [Note: reused
     buffers]. At most ``keep`` are kept per key."""
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
 
