@@ -357,7 +357,9 @@ def print_plan(plan: TrainingPlan, out: TextIO) -> None:
     print(table(["collective", "calls", "bytes"],
                 [[k.replace("_", "-"), str(calls.get(k, 0)), fmt_bytes(comm.get(k, 0))] for k in COLLECTIVES
                  if calls.get(k, 0)]), file=out)
-    print("\ntimeline of the heaviest rank's step (live bytes when each phase / engine region began):", file=out)
+    run = "" if plan.layers_run == (plan.layers,) else f", in the run of {plan.layers_run[-1]} layers"
+    print(f"\ntimeline of the heaviest rank's step{run} (live bytes when each phase / engine region began):",
+          file=out)
     print(table(["at", "live"], _timeline_rows(plan.timeline)), file=out)
 
 
