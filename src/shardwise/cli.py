@@ -15,6 +15,7 @@ memory and each step's communication (``--json FILE`` for tools).
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import os
 import sys
@@ -75,6 +76,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_arguments(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> str:
+    """The message for arguments ``command`` does not take: the first unknown flag and the nearest valid one."""
+    from shardwise.train.config import nearest_key, synonym
+
+    sub = next(a.choices[command] for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    word = next((w for w in extra if w.startswith("-")), None)
+    if word is None:
+        return (f"unexpected argument {extra[0]!r}: `shardwise {command}` takes at most one config.toml; "
+                "settings are flags (see --help)")
+    name = word.split("=", 1)[0]
+    known = synonym(name.lstrip("-").removeprefix("no-"))
+    close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+    nearest = "--" + known.replace("_", "-") if known else close[0] if close else None
+    if nearest is None:  # another trainer's name (--learning-rate), else the least far one
+        key = nearest_key(name.lstrip("-").removeprefix("no-"))
+        nearest = "--" + key.replace("_", "-") if key is not None else None
+        if nearest not in flags:
+            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.0)
+            nearest = close[0] if close else None
+    if nearest is not None and name.startswith("--no-") and "--no-" + nearest[2:] in flags:
+        nearest = "--no-" + nearest[2:]
+    hint = f"; the nearest valid flag is {nearest}" if nearest else ""
+    return f"unknown flag {name}{hint} (`shardwise {command} --help` lists them all)"
+
+
 def _fail(message: str, code: int, command: str = "train") -> None:
     # Under torchrun every rank finds the same mistake; one message is enough.
     if os.environ.get("RANK", "0") == "0":
@@ -102,13 +129,12 @@ def plan_command(ns: argparse.Namespace) -> None:
 
 def train_command(ns: argparse.Namespace) -> None:
     """Resolve, check and run ``shardwise train`` for parsed arguments."""
-    from torch.multiprocessing.spawn import ProcessRaisedException
-
     from shardwise.errors import ShardwiseError
     from shardwise.train.config import config_from_flags
     from shardwise.train.launch import dry_run, preflight, torchrun_world
     from shardwise.train.loop import launch
     from shardwise.train.report import console_logging
+    from shardwise.train.supervise import RunFailed
 
     try:
         cfg = config_from_flags(ns)
@@ -124,8 +150,8 @@ def train_command(ns: argparse.Namespace) -> None:
         return
     try:
         launch(plan)
-    except ProcessRaisedException as exc:
-        _fail(f"a rank failed:\n{exc}", 1)
+    except RunFailed as exc:  # local ranks: one message, whichever way a rank failed
+        _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
 
@@ -154,7 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     Args:
         argv: the arguments (without the program name). (Default: ``None``: ``sys.argv[1:]``)
     """
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        _fail(_unknown_arguments(parser, ns.command, extra), 2, ns.command)
     if ns.command == "train":
         train_command(ns)
     elif ns.command == "plan":

@@ -30,6 +30,7 @@ LAYERS = {
     "shardwise.layout": 0,  # chunk arithmetic, used by every layer
     "shardwise.planner": 0,  # depends on policies, layout and observe alone
     "shardwise.observe": 0,  # what the engine tells observers (the planner's tracker)
+    "shardwise.watchdog": 1,  # over observe and errors: the engine's regions are its progress events
     "shardwise.checkpoint": 4,  # state dicts over the engine, beside wrap
     "shardwise.testing": 9,
     "shardwise.train": 8,  # the main job, over everything but testing

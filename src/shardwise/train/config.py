@@ -23,6 +23,7 @@ from typing import Any
 
 from shardwise.errors import ConfigError, ConfigTypeError
 from shardwise.train.plot import check_matplotlib
+from shardwise.watchdog import MIN_TIMEOUT
 
 __all__ = [
     "SECTIONS",
@@ -34,6 +35,7 @@ __all__ = [
     "nearest_key",
     "render_toml",
     "resolve",
+    "synonym",
 ]
 
 SECTIONS = ("model", "parallel", "optim", "data", "checkpoint", "output")
@@ -91,6 +93,9 @@ class TrainConfig:
     activation_checkpointing: bool = _opt(False, "parallel", "recompute each block's activations in backward "
                                           "(torch.utils.checkpoint)")
     device: str = _opt("auto", "parallel", "auto: CUDA (NCCL) when available, else CPU (gloo)", choices=DEVICES)
+    watchdog_timeout: float = _opt(300.0, "parallel", "end the run with a message naming the stuck rank when a "
+                                   "rank has waited this many seconds on another that makes no progress (stopped, "
+                                   "deadlocked, in another collective); 0: no watchdog")
     # [optim]
     steps: int = _opt(500, "optim", "optimizer steps (the length of the LR schedule)")
     batch_size: int = _opt(16, "optim", "sequences per optimizer step, all ranks together; split evenly over "
@@ -156,6 +161,11 @@ class TrainConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name}={value!r} must be a finite number >= 0 (default {_default(name)!r})")
+        if self.watchdog_timeout and not self.watchdog_timeout >= MIN_TIMEOUT:
+            raise ConfigError(
+                f"watchdog_timeout={self.watchdog_timeout!r} must be 0 (off) or a number of seconds >= "
+                f"{MIN_TIMEOUT:g} (default {_default('watchdog_timeout')!r}; under a minute only for tests)"
+            )
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr={self.min_lr} exceeds lr={self.lr}: set min_lr <= lr (e.g. min_lr={self.lr / 10:g})")
         for name in ("beta1", "beta2", "dropout"):
@@ -287,7 +297,13 @@ _SYNONYMS = {
     "train_data": "data", "ckpt_dir": "checkpoint_dir", "out_dir": "checkpoint_dir", "save_dir": "checkpoint_dir",
     "save_every": "checkpoint_every", "ckpt_every": "checkpoint_every", "checkpoint_interval": "checkpoint_every",
     "sharding_strategy": "strategy", "min_learning_rate": "min_lr", "eval_interval": "log_every",
+    "timeout": "watchdog_timeout", "watchdog": "watchdog_timeout", "nccl_timeout": "watchdog_timeout",
 }
+
+
+def synonym(key: str) -> str | None:
+    """The key another trainer's name for it means (``max_iters`` -> ``steps``), if ``key`` is one."""
+    return _SYNONYMS.get(key.strip().lower().replace("-", "_"))
 
 
 def nearest_key(key: str) -> str | None:

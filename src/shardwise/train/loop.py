@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise import watchdog
 from shardwise.train.config import as_dict
 from shardwise.train.data import Batches
 from shardwise.train.launch import Plan, estimates
@@ -48,6 +49,7 @@ from shardwise.train.report import (
 )
 from shardwise.train.schedule import learning_rate
 from shardwise.train.step import make_optimizer, training_step
+from shardwise.train.supervise import checkpoint_hint, mark_failed, supervise
 
 __all__ = ["launch", "run_rank", "state_bytes", "train"]
 
@@ -144,8 +146,15 @@ class _Run:
             x, y = self.batches.next(self.plan.micro_batch)
             return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-        return training_step(self.model, self.built.logits, self.optim, next_batch, grad_accum=self.cfg.grad_accum,
-                             grad_clip=self.cfg.grad_clip, lr=lr)
+        loss = training_step(self.model, self.built.logits, self.optim, next_batch, grad_accum=self.cfg.grad_accum,
+                             grad_clip=self.cfg.grad_clip, lr=lr, on_phase=_watch_phase)
+        watchdog.phase(None)  # the step's forward, backward and optimizer are done
+        return loss
+
+
+def _watch_phase(name: str) -> None:
+    # the optimizer phase's clip_grad_norm_ all-reduces outside the engine: a rank stalled there waits
+    watchdog.phase(name, waits=name == "optimizer")
 
 
 def _log_json(path: str, record: dict[str, Any]) -> None:
@@ -189,7 +198,8 @@ def train(plan: Plan, rank: int, device: torch.device) -> None:
         device: the compute device.
     """
     cfg = plan.cfg
-    run = _Run(plan, rank, device)
+    with watchdog.busy("setting up (model, checkpoint)"):
+        run = _Run(plan, rank, device)
     end = cfg.stop_at or cfg.steps
     lead = rank == 0
     if lead:
@@ -204,14 +214,16 @@ def train(plan: Plan, rank: int, device: torch.device) -> None:
     start = time.perf_counter()
     while run.step < end:
         run.step += 1
+        watchdog.step(run.step)
         t0 = time.perf_counter()
         lr = learning_rate(run.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps)
         loss = run.train_step(lr)
         if run.step == end:
             held, full = state_bytes(run.model, run.optim)
         run.optim.zero_grad(set_to_none=True)
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        value = loss.item() / run.world
+        with watchdog.collective("all_reduce (loss)"):
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+            value = loss.item() / run.world
         dt = time.perf_counter() - t0
         if timed_start == 0.0:  # the first step warms up (lazy init, allocator): time the rest
             timed_start = time.perf_counter()
@@ -234,7 +246,8 @@ def train(plan: Plan, rank: int, device: torch.device) -> None:
         ):
             if progress is not None and progress.live:
                 progress.close()
-            run._save()
+            with watchdog.busy("checkpoint save"):
+                run._save()
     if progress is not None:
         progress.close()
     elapsed = time.perf_counter() - start
@@ -245,10 +258,12 @@ def train(plan: Plan, rank: int, device: torch.device) -> None:
         Path(cfg.export).parent.mkdir(parents=True, exist_ok=True)
         from shardwise.checkpoint.hf_directory import is_directory_export
 
-        export(cfg.export, run.model, metadata={"config": json.dumps(as_dict(cfg))},
-               max_shard_size=cfg.export_shard_size if is_directory_export(cfg.export) else None)
+        with watchdog.busy("export"):
+            export(cfg.export, run.model, metadata={"config": json.dumps(as_dict(cfg))},
+                   max_shard_size=cfg.export_shard_size if is_directory_export(cfg.export) else None)
     stats = [None] * run.world
-    dist.all_gather_object(stats, RankStats(rank, held, full, peak_memory(device)))
+    with watchdog.collective("all_gather_object (summary)"):
+        dist.all_gather_object(stats, RankStats(rank, held, full, peak_memory(device)))
     if not lead:
         return
     tail = [h["loss"] for h in run.history[-10:]]
@@ -271,7 +286,8 @@ def train(plan: Plan, rank: int, device: torch.device) -> None:
         log.info(f"exported the unsharded model to {cfg.export} (safetensors)")
     if cfg.plot:
         steps = [h["step"] for h in run.history]
-        write_plot(cfg.plot, [Panel("loss", steps, [h["loss"] for h in run.history]),
+        with watchdog.busy("plot"):
+            write_plot(cfg.plot, [Panel("loss", steps, [h["loss"] for h in run.history]),
                               Panel("memory MiB (rank 0)", steps, [h["memory"] / 2**20 for h in run.history])])
         log.info(f"plot: {cfg.plot}")
 
@@ -296,12 +312,37 @@ def run_rank(rank: int, world_size: int, plan: Plan, port: int | None) -> None:
         store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(minutes=10))  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     else:
+        store = None
         dist.init_process_group(backend)
+    # the launcher prints a local run's report (from the store); under torchrun the ranks say it
+    wd = watchdog.Watchdog(plan.cfg.watchdog_timeout, store=store,
+                           on_timeout=_quiet if port is not None else _to_torchrun).start() \
+        if plan.cfg.watchdog_timeout else None
     try:
         train(plan, rank, device)
-        dist.barrier()  # leave together
+        with watchdog.collective("barrier (end of run)"):
+            dist.barrier()  # leave together
+    except Exception:
+        if store is not None:
+            mark_failed(store, rank)  # see [Note: which rank failed first] in shardwise.train.supervise
+        raise
     finally:
+        if wd is not None:
+            wd.stop()
         dist.destroy_process_group()
+
+
+def _quiet(report: watchdog.WatchdogReport) -> None:
+    pass
+
+
+def _to_torchrun(report: watchdog.WatchdogReport) -> None:
+    """Under torchrun: the reporting rank logs the watchdog's report, every rank writes it to its error file."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    if report.reporter:
+        log.error("%s", report.message)
+    ErrorHandler().record_exception(TimeoutError(report.message))
 
 
 def _loopback_interface() -> str | None:
@@ -319,7 +360,9 @@ def launch(plan: Plan) -> None:
     Local ranks rendezvous through a TCP store hosted here, in the launcher,
     on a port the OS picks: it outlives every rank, so no rank's exit can pull
     the store from under another one still tearing down (and no two launches
-    race for a port).
+    race for a port). When a rank fails, the others are stopped and
+    :class:`shardwise.train.supervise.RunFailed` says which rank, how, at which
+    step, and where to resume (:func:`shardwise.train.supervise.supervise`).
     """
     if plan.world.torchrun:
         run_rank(plan.world.rank, plan.world.size, plan, None)
@@ -335,9 +378,13 @@ def launch(plan: Plan) -> None:
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, None, True, timeout=timedelta(minutes=10), wait_for_workers=False
     )
+    cfg = plan.cfg
     try:
-        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-            run_rank, args=(plan.world.size, plan, store.port), nprocs=plan.world.size, start_method="spawn"
+        context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+            run_rank, args=(plan.world.size, plan, store.port), nprocs=plan.world.size, start_method="spawn",
+            join=False,
         )
+        supervise(context, store, plan.world.size,
+                  lambda: checkpoint_hint(cfg.checkpoint_dir, bool(cfg.checkpoint_every or cfg.stop_at)))
     finally:
         del store
