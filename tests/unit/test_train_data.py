@@ -74,6 +74,35 @@ def test_position_is_the_whole_state(tmp_path):
     assert torch.equal(x[:, 1:], y[:, :-1]) and x.dtype == torch.int64 and x.shape == (5, 8)
 
 
+def _micro_batch(source, world, data_world, position, per_rank):
+    """The whole micro-batch (every rank's rows, in rank order) at ``position``."""
+    rows = []
+    for rank in range(world):
+        batches = Batches(source, 8, world, rank, seed=2, position=position, data_world=data_world)
+        rows.append(batches.next(per_rank)[0])
+        assert batches.position == position + world * per_rank // data_world
+    return torch.cat(rows)
+
+
+def test_another_world_size_cuts_the_same_micro_batches(tmp_path):
+    """Started on 4 ranks (data world 4), resumed on 1, 2, 3 or 6: every
+    micro-batch holds the same sequences, in the same order, as on 4."""
+    _text(tmp_path, 4000)
+    source = open_source([str(tmp_path / "d")])
+    for position in (0, 3, 9, 150):  # 150: past the first epoch of each slice (~124 windows)
+        want = _micro_batch(source, 4, 4, position, 3)  # 12 sequences, 3 from each slice
+        for world in (1, 2, 3, 6):
+            got = _micro_batch(source, world, 4, position, 12 // world)
+            assert torch.equal(got, want), (position, world)
+    # a fresh run on 4 ranks is the data world 4 (each rank reads its own slice only)
+    fresh = Batches(source, 8, 4, 2, seed=2)
+    assert fresh.data_world == 4 and torch.equal(fresh.next(3)[0], _micro_batch(source, 4, 4, 0, 3)[6:9])
+    assert list(fresh._slices) == [2]
+    # 2 ranks of 5 rows = 10 sequences cannot take the same number from each of 4 slices
+    with pytest.raises(ConfigError, match="cannot take the same number from each of the data's 4 slices"):
+        Batches(source, 8, 2, 0, seed=2, data_world=4).next(5)
+
+
 def test_uint16_bin_like_nanogpt(tmp_path):
     ids = (np.arange(5000) * 37 % 50257).astype(np.uint16)
     path = tmp_path / "train.bin"
@@ -119,7 +148,7 @@ def test_uint32_bin_with_ids_past_uint16(tmp_path):
         x, y = batches.next(8)
         assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
         for row, i in zip(x, range(8)):  # every row is one seq_len window of this rank's slice, exactly
-            lo = start + int(batches._order(0)[i]) * seq
+            lo = start + int(batches._home._order(0)[i]) * seq
             assert row.tolist() == ids[lo : lo + seq].astype(int).tolist()
     assert int(Batches(source, seq, 1, 0, seed=0).next(len(ids) // seq)[0].max()) > 65535
 

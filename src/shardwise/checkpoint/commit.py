@@ -72,6 +72,7 @@ __all__ = [
     "prune",
     "read_marker",
     "remove_uncommitted",
+    "stray_entries",
     "temp_dir_for",
     "write_marker",
 ]
@@ -344,6 +345,26 @@ def remove_uncommitted(final: Path) -> None:
                 "new or empty directory, or pass step= to save under it as step-NNNNNNNN/."
             )
         shutil.rmtree(final, ignore_errors=True)
+
+
+def stray_entries(root: Path) -> list[str]:
+    """Names directly under ``root`` (a directory of checkpoints) that no
+    save wrote: anything but directories holding a marker, the hidden
+    ``.<name>.tmp-`` / ``.old-`` directories of saves in progress or killed,
+    and marker-less directories holding only checkpoint files (a save killed
+    between rename and marker)."""
+    stray = []
+    for child in sorted(root.iterdir()) if root.is_dir() else []:
+        if child.is_dir():
+            if (child / MARKER_NAME).is_file():
+                continue
+            if child.name.startswith(".") and (".tmp-" in child.name or ".old-" in child.name):
+                continue
+            inside = [c.name for c in child.iterdir()]
+            if all(_is_checkpoint_file(n) for n in inside) and (inside or _STEP_RE.match(child.name)):
+                continue
+        stray.append(child.name)
+    return stray
 
 
 def _is_checkpoint_file(name: str) -> bool:

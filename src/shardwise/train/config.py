@@ -119,6 +119,9 @@ class TrainConfig:
     checkpoint_every: int = _opt(0, "checkpoint", "save a sharded checkpoint every K steps (and at the end); "
                                  "0: never")
     keep: int = _opt(0, "checkpoint", "keep only the newest K checkpoints; 0: keep all")
+    checkpoint_async: bool = _opt(False, "checkpoint", "write checkpoints in the background: training waits only "
+                                  "while each rank copies its state to host memory (held once more until written); "
+                                  "the run's last checkpoint is waited for")
     resume: bool = _opt(False, "checkpoint", "continue from the latest complete checkpoint in checkpoint_dir")
     export: str = _opt("", "checkpoint", "write the unsharded model here at the end: a path ending in .safetensors "
                        "is one file; any other path a Hugging Face model directory (config.json, safetensors shards "

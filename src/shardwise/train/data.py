@@ -3,16 +3,23 @@ one contiguous slice per rank, each slice read as ``seq_len + 1``-token
 windows in a seeded random order.
 
 [Note: data slicing]
-The stream (``L`` tokens) is cut into ``world_size`` equal contiguous slices;
-rank ``r`` reads only ``[r * L // W, (r + 1) * L // W)`` (text files: that
-byte range, read once and held as bytes; a ``.bin``: a view of the file
-mapped once per process, read window by window, never copied whole). Its
-slice holds ``n = (len - 1) // seq_len`` non-overlapping windows (inputs and
-the targets one token later). Sample ``i`` of rank ``r`` is window
-``perm(seed, epoch=i // n, r)[i % n]``, a permutation drawn from its own
-``torch.Generator``; so the whole order is a function of the seed, the rank
-and one integer, the *position* (samples consumed), which is what a
-checkpoint stores. Every rank consumes the same number of samples per step.
+The stream (``L`` tokens) is cut into ``D`` equal contiguous slices, ``D``
+being the number of ranks of the run that started the training (its *data
+world*, kept in every checkpoint); slice ``v`` is ``[v * L // D, (v + 1) *
+L // D)`` (text files: that byte range, read once and held as bytes; a
+``.bin``: a view of the file mapped once per process, read window by window,
+never copied whole). It holds ``n = (len - 1) // seq_len`` non-overlapping
+windows (inputs and the targets one token later). Sample ``i`` of slice
+``v`` is window ``perm(seed, epoch=i // n, v)[i % n]``, a permutation drawn
+from its own ``torch.Generator``. Each micro-step takes the next ``m``
+samples of every slice (the same position ``p`` in all of them, so ``p``,
+the *position*, is all the state a checkpoint stores): the micro-batch is
+their concatenation in slice order, ``D * m`` sequences, and rank ``r`` of
+``W`` takes its ``r``-th contiguous ``1 / W`` of it. With ``W == D`` (every
+run until it resumes on another number of ranks) rank ``r`` reads exactly
+slice ``r``; resumed on other ranks, the micro-batches are the same
+sequences cut differently, so the losses are those of the uninterrupted run
+(up to summation order), and a rank reads the few slices its part spans.
 
 Three sources make the stream:
 * byte-level text: files (or directories of files, walked in sorted order)
@@ -274,9 +281,43 @@ def open_source(data: Sequence[str], *, scan_vocab: bool = True) -> TokenSource:
     return source
 
 
+class _Slice:
+    """Slice ``index`` of ``count``: its tokens as stored and its seeded window order."""
+
+    def __init__(self, source: TokenSource, seq_len: int, count: int, index: int, seed: int) -> None:
+        self.seq_len = seq_len
+        self.index = index
+        self.seed = seed
+        start, end = slice_bounds(source.length, count, index)
+        self.num_windows = (end - start - 1) // seq_len
+        if self.num_windows < 1:
+            raise ConfigError(
+                f"slice {index} of {count} of the data has {end - start} tokens, fewer than seq_len + 1 = "
+                f"{seq_len + 1}: use more data, a smaller --seq-len, or fewer ranks"
+            )
+        # As stored (bytes for text; for a .bin a view of the one mapping of the file), so nothing is
+        # copied or widened to int64 until a window is taken.
+        self.tokens = source.read_stored(start, end)
+        self._epoch = -1
+        self._perm = torch.empty(0, dtype=torch.long)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch * 7919 + self.index) % 2**63)
+            self._perm = torch.randperm(self.num_windows, generator=gen)
+            self._epoch = epoch
+        return self._perm
+
+    def window(self, sample: int) -> torch.Tensor:
+        epoch, index = divmod(sample, self.num_windows)
+        lo = int(self._order(epoch)[index]) * self.seq_len
+        return self.tokens[lo : lo + self.seq_len + 1].long()
+
+
 class Batches:
     """One rank's deterministic stream of ``(inputs, targets)`` micro-batches;
-    see [Note: data slicing]. ``position`` (samples consumed) is all the state.
+    see [Note: data slicing]. ``position`` (samples consumed from every
+    slice) and ``data_world`` (how many slices) are all the state.
 
     Args:
         source: the token stream.
@@ -284,43 +325,54 @@ class Batches:
         world_size: ranks sharing the stream.
         rank: this rank.
         seed: seeds the window order.
-        position: samples already consumed (from a checkpoint). (Default: ``0``)
+        position: samples already consumed from each slice (from a
+            checkpoint). (Default: ``0``)
+        data_world: slices the stream is cut into: the world size of the run
+            that started the training (from a checkpoint). (Default:
+            ``None``: ``world_size``)
     """
 
     def __init__(self, source: TokenSource, seq_len: int, world_size: int, rank: int, seed: int,
-                 position: int = 0) -> None:
+                 position: int = 0, *, data_world: int | None = None) -> None:
+        self.source = source
         self.seq_len = seq_len
+        self.world_size = world_size
         self.rank = rank
         self.seed = seed
         self.position = position
-        start, end = slice_bounds(source.length, world_size, rank)
-        self.num_windows = (end - start - 1) // seq_len
-        if self.num_windows < 1:
-            raise ConfigError(
-                f"rank {rank}'s slice of the data has {end - start} tokens, fewer than seq_len + 1 = "
-                f"{seq_len + 1}: use more data, a smaller --seq-len, or fewer ranks"
-            )
-        # This rank's slice as stored (bytes for text; for a .bin a view of the one mapping of the file,
-        # so nothing is copied or widened to int64 until a window is taken).
-        self._tokens = source.read_stored(start, end)
-        self._epoch = -1
-        self._perm = torch.empty(0, dtype=torch.long)
+        self.data_world = data_world or world_size
+        self._slices: dict[int, _Slice] = {}
+        home = self._slice(rank * self.data_world // world_size)  # a slice this rank reads: errors now
+        self.num_windows = home.num_windows
+        self._tokens = home.tokens
+        self._home = home
 
-    def _order(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
-            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch * 7919 + self.rank) % 2**63)
-            self._perm = torch.randperm(self.num_windows, generator=gen)
-            self._epoch = epoch
-        return self._perm
+    def _slice(self, index: int) -> _Slice:
+        if index not in self._slices:
+            self._slices[index] = _Slice(self.source, self.seq_len, self.data_world, index, self.seed)
+        return self._slices[index]
 
     def window(self, sample: int) -> torch.Tensor:
-        """The ``seq_len + 1`` tokens of sample ``sample`` (any non-negative integer)."""
-        epoch, index = divmod(sample, self.num_windows)
-        lo = int(self._order(epoch)[index]) * self.seq_len
-        return self._tokens[lo : lo + self.seq_len + 1].long()
+        """The ``seq_len + 1`` tokens of sample ``sample`` (any non-negative
+        integer) of this rank's first slice."""
+        return self._home.window(sample)
 
     def next(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next ``batch_size`` samples as int64 ``(inputs, targets)`` of shape ``[batch_size, seq_len]``."""
-        rows = torch.stack([self.window(self.position + i) for i in range(batch_size)])
-        self.position += batch_size
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        """This rank's ``batch_size`` samples of the next micro-batch (of
+        ``world_size * batch_size``) as int64 ``(inputs, targets)`` of shape
+        ``[batch_size, seq_len]``."""
+        total = self.world_size * batch_size
+        if total % self.data_world:
+            raise ConfigError(
+                f"a micro-batch of {total} sequences ({self.world_size} ranks x {batch_size}) cannot take the same "
+                f"number from each of the data's {self.data_world} slices (the ranks of the run that started "
+                f"this training): use a batch_size / grad_accum that splits into {self.data_world} equal parts"
+            )
+        per_slice = total // self.data_world
+        rows = []
+        for j in range(self.rank * batch_size, (self.rank + 1) * batch_size):
+            index, k = divmod(j, per_slice)
+            rows.append(self._slice(index).window(self.position + k))
+        self.position += per_slice
+        batch = torch.stack(rows)
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()

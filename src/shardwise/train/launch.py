@@ -6,11 +6,12 @@ reported here, not from inside a rank), print a dry run, and start the ranks
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -78,14 +79,28 @@ def _device_type(cfg: TrainConfig, world: World) -> str:
     return kind
 
 
-def _check_checkpoint(path: Path, cfg: TrainConfig, vocab_size: int) -> None:
-    """A :class:`CheckpointError` if the checkpoint at ``path`` holds another model."""
+def _check_checkpoint(path: Path, cfg: TrainConfig, vocab_size: int, world: World, source: TokenSource) -> None:
+    """A :class:`CheckpointError` if the checkpoint at ``path`` is not one of
+    ``shardwise train`` or holds another model; a :class:`ConfigError` if its
+    data order cannot be cut into this configuration's micro-batches."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
+    from shardwise.checkpoint.commit import EXTRA_NAME
+
+    extra: Any = {}
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
+        if (path / EXTRA_NAME).is_file():
+            extra = torch.load(path / EXTRA_NAME, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - any unreadable metadata is the same user-facing problem
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(extra, dict) or "step" not in extra or "data_position" not in extra:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was not written by shardwise train (its {EXTRA_NAME} holds no step and data "
+            "position; shardwise.checkpoint.save with another extra?): --resume continues only runs of shardwise "
+            "train. Pass the --checkpoint-dir of such a run, or drop --resume (and choose another --checkpoint-dir) "
+            "to start afresh"
+        )
     saved = {key[len("model."):]: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
              if key.startswith("model.") and hasattr(md, "size")}
     built = build_model(cfg, vocab_size, torch.device("meta"))
@@ -100,6 +115,61 @@ def _check_checkpoint(path: Path, cfg: TrainConfig, vocab_size: int) -> None:
         raise CheckpointError(
             f"checkpoint {str(path)!r} is of another model than this configuration ({detail}): resume with the "
             "settings it was saved with, or pass another --checkpoint-dir (or drop --resume) to start afresh"
+        )
+    # The data order of the run that started the training goes on ([Note: data slicing] in data.py): each
+    # micro-step takes as many sequences from each of its data_world slices.
+    data_world = int(extra.get("data_world") or extra.get("world_size") or world.size)
+    parts = data_world * cfg.grad_accum
+    if cfg.batch_size % parts:
+        accums = [a for a in range(1, cfg.batch_size + 1) if cfg.batch_size % (a * data_world) == 0
+                  and cfg.batch_size % (a * world.size) == 0]
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} x grad_accum={cfg.grad_accum} cannot resume {path.name}: the run that "
+            f"started this training had {data_world} ranks, and each micro-step takes the same number of sequences "
+            f"from each of their {data_world} data slices, so batch_size / grad_accum must be a multiple of "
+            f"{data_world}: use grad_accum in {{{', '.join(map(str, accums)) or 'none'}}} (it was "
+            f"{extra.get('config', {}).get('grad_accum', '?')}), or keep batch_size as saved "
+            f"({extra.get('config', {}).get('batch_size', '?')})"
+        )
+    start, end = slice_bounds(source.length, data_world, data_world - 1)
+    if (end - start - 1) // cfg.seq_len < 1:
+        raise ConfigError(
+            f"the data ({source.length:,} tokens) cut into the {data_world} slices of the run that started "
+            f"{path.name} leaves {end - start} tokens per slice, less than one sequence of seq_len + 1: resume "
+            "with the data it was trained on"
+        )
+
+
+def _check_fresh_resume(root: Path, world: World) -> None:
+    """``--resume`` and no committed checkpoint under ``root``: start from step 0
+    if ``root`` is missing, empty or holds only what killed saves left behind;
+    a :class:`CheckpointError` naming the fix if it holds anything else."""
+    from shardwise.checkpoint.commit import MARKER_NAME, stray_entries
+
+    if (root / MARKER_NAME).is_file():
+        raise CheckpointError(
+            f"checkpoint_dir={str(root)!r} is one checkpoint, not the directory of a run's checkpoints: pass its "
+            f"parent (--checkpoint-dir {str(root.parent)!r}) to resume from the latest one there"
+        )
+    stray = stray_entries(root)
+    if (root / ".metadata").is_file():
+        raise CheckpointError(
+            f"checkpoint_dir={str(root)!r} holds a torch.distributed.checkpoint checkpoint that shardwise did not "
+            f"commit (no {MARKER_NAME}: another program's, or a save that never finished): --resume continues only "
+            "shardwise train's checkpoints; load it yourself with torch.distributed.checkpoint.load, or pass "
+            "another --checkpoint-dir"
+        )
+    if stray:
+        shown = ", ".join(stray[:5]) + (f" and {len(stray) - 5} more" if len(stray) > 5 else "")
+        raise CheckpointError(
+            f"checkpoint_dir={str(root)!r} holds no checkpoint of shardwise train but other files ({shown}): "
+            "--resume there would start afresh among them. Pass the --checkpoint-dir the run saved to, or a new "
+            "or empty directory to start a run (with or without --resume)"
+        )
+    if world.rank == 0:
+        left = " (what unfinished saves left there is ignored)" if root.is_dir() and any(root.iterdir()) else ""
+        logging.getLogger("shardwise.train").warning(
+            f"--resume: no checkpoint in {str(root)!r} yet{left}; starting from step 0"
         )
 
 
@@ -180,8 +250,10 @@ def preflight(cfg: TrainConfig, world: World) -> Plan:
     checkpointing = cfg.checkpoint_every > 0 or cfg.stop_at > 0
     found = latest(cfg.checkpoint_dir) if (cfg.resume or checkpointing) and Path(cfg.checkpoint_dir).is_dir() else None
     if cfg.resume and found is not None:
-        _check_checkpoint(found, cfg, vocab)
+        _check_checkpoint(found, cfg, vocab, world, source)
         resume_from = found
+    elif cfg.resume:
+        _check_fresh_resume(Path(cfg.checkpoint_dir), world)
     elif checkpointing and found is not None and not cfg.dry_run:
         raise ConfigError(
             f"checkpoint_dir={cfg.checkpoint_dir!r} already holds checkpoints of an earlier run (latest: "

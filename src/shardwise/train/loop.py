@@ -104,12 +104,14 @@ class _Run:
         self.optim = make_optimizer(self.model, self.cfg)
         self.step = 0
         self.history: list[dict[str, float]] = []
-        position = 0
+        position, data_world = 0, self.world
         if plan.resume_from is not None:
-            position = self._resume(plan.resume_from)
-        self.batches = Batches(plan.source, self.cfg.seq_len, self.world, rank, self.cfg.seed, position)
+            position, data_world = self._resume(plan.resume_from)
+        self.batches = Batches(plan.source, self.cfg.seq_len, self.world, rank, self.cfg.seed, position,
+                               data_world=data_world)
 
-    def _resume(self, path: Path) -> int:
+    def _resume(self, path: Path) -> tuple[int, int]:
+        """Load ``path``; returns the data position and data world ([Note: data slicing])."""
         from shardwise.checkpoint import load
 
         extra = load(path, self.model, self.optim) or {}
@@ -119,15 +121,21 @@ class _Run:
         rng = extra.get("rng")
         if rng is not None and saved_world == self.world:
             torch.set_rng_state(rng[self.rank])
-        # The same number of sequences overall, re-sliced if the world size changed.
-        return int(extra.get("data_position", 0)) * saved_world // self.world
+        elif rng is not None and self.rank == 0:
+            log.warning(f"resuming on {self.world} ranks a run saved on {saved_world}: dropout's random numbers "
+                        "(one generator per rank) cannot follow, so the losses will differ from an uninterrupted run")
+        # The data order stays the one of the run that started the training (its ranks' slices, the same
+        # position in each), whatever the world size now; checkpoints from before data_world was saved
+        # hold the per-rank position of their own world size, which is the same thing.
+        return int(extra.get("data_position", 0)), int(extra.get("data_world", saved_world))
 
     def _save(self) -> None:
-        from shardwise.checkpoint import save
+        from shardwise.checkpoint import AsyncSave, save
 
         extra: dict[str, Any] = {
             "step": self.step,
             "data_position": self.batches.position,
+            "data_world": self.batches.data_world,
             "world_size": self.world,
             "history": self.history,
             "config": as_dict(self.cfg),
@@ -136,8 +144,11 @@ class _Run:
             states = [None] * self.world
             dist.all_gather_object(states, torch.get_rng_state())
             extra["rng"] = states
-        save(self.cfg.checkpoint_dir, self.model, self.optim, extra=extra, step=self.step,
-             keep=self.cfg.keep or None)
+        # async: the next save waits for this one; the run's last one is waited for here, before the ranks leave
+        saved = save(self.cfg.checkpoint_dir, self.model, self.optim, extra=extra, step=self.step,
+                     keep=self.cfg.keep or None, async_mode=self.cfg.checkpoint_async)
+        if isinstance(saved, AsyncSave) and self.step >= (self.cfg.stop_at or self.cfg.steps):
+            saved.wait()
 
     def train_step(self, lr: float) -> torch.Tensor:
         """One optimizer step; see [Note: one training step]. Returns the mean loss (local)."""
