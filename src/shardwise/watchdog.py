@@ -506,11 +506,12 @@ class Watchdog:
         blocked = tuple(r for r in others if r in stalled and not stalled[r].waiting and not stalled[r].busy)
         if blocked or left:
             return _Verdict(tuple(sorted(blocked + left)), "blocked")
-        if len(stalled) == self.world_size and all(rec.waiting and not rec.busy for rec in stalled.values()):
+        if self.world_size > 1 and len(stalled) == self.world_size and all(
+                rec.waiting and not rec.busy for rec in stalled.values()):
             places = Counter((rec.step, rec.where) for rec in stalled.values())
             top = places.most_common()
-            if len(top) == 1:
-                return _Verdict(tuple(range(self.world_size)), "same collective")
+            if len(top) == 1:  # in a known region (not a phase's compute, e.g. a long optimizer step)
+                return _Verdict(tuple(range(self.world_size)), "same collective") if top[0][0][1] else None
             if top[0][1] == top[1][1]:
                 return _Verdict(tuple(range(self.world_size)), "different collectives")
             return _Verdict(tuple(r for r, rec in stalled.items() if (rec.step, rec.where) != top[0][0]),
@@ -660,10 +661,14 @@ def _busy_text(records: dict[int, RankRecord]) -> str:
 
 
 def _main_stack(ident: int, limit: int = 30) -> str:
+    """The stack of thread ``ident``, without the process start-up's frames (multiprocessing's spawn)."""
     frame = sys._current_frames().get(ident)
     if frame is None:
         return "  (the thread has ended)"
-    return "".join(traceback.format_stack(frame, limit=limit))
+    frames = traceback.extract_stack(frame)
+    while len(frames) > 1 and (frames[0].filename == "<string>" or f"multiprocessing{os.sep}" in frames[0].filename):
+        frames.pop(0)
+    return "".join(traceback.format_list(frames[-limit:]))
 
 
 def _flush() -> None:

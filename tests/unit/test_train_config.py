@@ -100,6 +100,40 @@ def test_cli_unknown_flag_is_argparse_error(capsys):
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize(
+    "argv, nearest",
+    [
+        (["train", "--stpes", "3"], "--steps"),
+        (["train", "--learning-rate=1e-3"], "--lr"),  # another trainer's name
+        (["train", "--max-iters", "9"], "--steps"),
+        (["train", "--no-offlaod"], "--no-offload"),
+        (["train", "--watchdog-timout", "60"], "--watchdog-timeout"),
+        (["plan", "--jsn", "x.json"], "--json"),
+    ],
+)
+def test_cli_unknown_flag_names_the_nearest_valid_one(argv, nearest, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    flag = argv[1].split("=")[0]
+    assert capsys.readouterr().err == (f"shardwise {argv[0]}: error: unknown flag {flag}; the nearest valid flag is "
+                                       f"{nearest} (`shardwise {argv[0]} --help` lists them all)\n")
+
+
+def test_cli_extra_argument_is_an_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "a.toml", "b.toml"])
+    assert exc.value.code == 2 and "unexpected argument 'b.toml'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [-1.0, 1.0, float("nan")])
+def test_watchdog_timeout_is_zero_or_at_least_the_minimum(value):
+    with pytest.raises(ConfigError, match=r"watchdog_timeout=.* must be 0 \(off\) or a number of seconds >= 2"):
+        TrainConfig(watchdog_timeout=value)
+    assert TrainConfig(watchdog_timeout=0).watchdog_timeout == 0.0
+    assert TrainConfig(watchdog_timeout=15).watchdog_timeout == 15.0
+
+
 def test_transformers_missing_is_a_clear_error(monkeypatch, capsys):
     import importlib.util
 
