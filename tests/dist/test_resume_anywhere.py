@@ -221,7 +221,9 @@ def _assert_same(a, b, where):
 @pytest.mark.parametrize("async_mode", [False, True])
 @multi_rank(world_sizes=(2,))
 def test_wrapper_checkpoint_loads_into_fully_shard_and_back(tmp_path, async_mode):
-    from shardwise import checkpoint
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shardwise import FullyShardedDataParallel, StateDictType, checkpoint
 
     def save(name, model, opt, step):
         saved = checkpoint.save(tmp_path / name, model, opt, extra={"step": step}, async_mode=async_mode)
@@ -233,6 +235,11 @@ def test_wrapper_checkpoint_loads_into_fully_shard_and_back(tmp_path, async_mode
         _step(wrapper, opt, s)
     path = save("from-wrapper", wrapper, opt, 2)
     want = _full_state(wrapper, opt)
+    # sharded like fully_shard's: each rank wrote only its shard (not a gathered FULL_STATE_DICT, the
+    # wrapper's default, which is back in force)
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert len(metadata["model.blocks.0.qkv.weight"].chunks) == 2
+    assert FullyShardedDataParallel.get_state_dict_type(wrapper).state_dict_type == StateDictType.FULL_STATE_DICT
 
     per_module = _per_module(5)
     per_module_opt = torch.optim.AdamW(per_module.parameters(), lr=0.5)  # hyper-parameters come from the checkpoint

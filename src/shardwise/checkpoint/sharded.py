@@ -58,6 +58,7 @@ from shardwise.checkpoint.state import (
     model_template,
     optim_template,
     optimizer_state_dict,
+    sharded_state_dicts,
     to_optimizer_state_dict,
 )
 from shardwise.errors import CheckpointError, ConfigError, ConfigTypeError
@@ -319,7 +320,8 @@ def _save(
         state: dict[str, Any] = {}
         error = None
         try:
-            state[MODEL_KEY] = get_model_state_dict(model)
+            with sharded_state_dicts(model):
+                state[MODEL_KEY] = get_model_state_dict(model)
             if optimizer is not None:
                 state[OPTIM_KEY] = optimizer_state_dict(model, optimizer)
         except BaseException as exc:  # noqa: BLE001
@@ -546,7 +548,9 @@ def _load(
             metadata = reader.read_metadata()
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"{where}: its metadata cannot be read ({type(exc).__name__}: {exc}).") from None
-        template[MODEL_KEY] = model_template(get_model_state_dict(model), metadata, where)
+        with sharded_state_dicts(model):
+            live = get_model_state_dict(model)
+        template[MODEL_KEY] = model_template(live, metadata, where)
         if optimizer is not None:
             template[OPTIM_KEY] = optim_template(model, optimizer, metadata, where)
     except BaseException as exc:  # noqa: BLE001
@@ -576,7 +580,8 @@ def _load(
     agree(error)
 
     # 5. Copy.
-    set_model_state_dict(model, template[MODEL_KEY])
+    with sharded_state_dicts(model):
+        set_model_state_dict(model, template[MODEL_KEY])
     if optimizer is not None and osd is not None:
         optimizer.load_state_dict(osd)
     return extra

@@ -19,8 +19,9 @@ it to be copied into the model and optimizer once everything was read.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,12 +40,15 @@ from shardwise.layout import dtensor_like
 __all__ = [
     "MODEL_KEY",
     "OPTIM_KEY",
+    "ShardedStateDictContext",
     "entries_under",
     "listing",
     "model_template",
     "optim_template",
     "optimizer_state_dict",
     "param_fqns",
+    "register_sharded_state_dict",
+    "sharded_state_dicts",
     "to_optimizer_state_dict",
 ]
 
@@ -53,6 +57,36 @@ OPTIM_KEY = "optim"
 _MAX_LISTED = 8
 
 Path_ = tuple[str | int, ...]
+
+# Makes ``module.state_dict()`` / ``load_state_dict()`` hold sharded DTensors for the duration, for
+# module kinds of a layer above this one; see register_sharded_state_dict.
+ShardedStateDictContext = Callable[[nn.Module], contextlib.AbstractContextManager[object]]
+_SHARDED_CONTEXTS: list[ShardedStateDictContext] = []
+
+
+def register_sharded_state_dict(context: ShardedStateDictContext) -> None:
+    """Let a front above this layer make its modules' state dicts sharded while
+    a checkpoint reads or writes them. The wrapper API registers one: its
+    modules' state dicts are ``FULL_STATE_DICT`` by default (whole tensors,
+    gathered on every rank), and a sharded checkpoint of it must hold each
+    rank's shards only, as ``fully_shard``'s does.
+
+    Args:
+        context: called with the model around every state-dict read and load
+            of :func:`~shardwise.checkpoint.save` / :func:`~shardwise.checkpoint.load`;
+            returns a context manager (a no-op for models it does not concern).
+    """
+    if context not in _SHARDED_CONTEXTS:
+        _SHARDED_CONTEXTS.append(context)
+
+
+@contextlib.contextmanager
+def sharded_state_dicts(model: nn.Module) -> Iterator[None]:
+    """Every registered :data:`ShardedStateDictContext` entered for ``model``."""
+    with contextlib.ExitStack() as stack:
+        for context in _SHARDED_CONTEXTS:
+            stack.enter_context(context(model))
+        yield
 
 
 def listing(items: Iterable[str]) -> str:

@@ -27,7 +27,9 @@ load a sharded dict saved under another world size, read it with
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
 import torch
@@ -37,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from shardwise._engine.param_group import ParamGroup
+from shardwise.checkpoint.state import register_sharded_state_dict
 from shardwise.errors import ConfigError, ConfigTypeError, MismatchError
 from shardwise.layout import chunk_span, dtensor_like
 
@@ -149,6 +152,27 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
                 "FullyShardedDataParallel.set_state_dict_type(root_module, ...)."
             )
     return settings
+
+
+@contextlib.contextmanager
+def sharded_for_checkpoints(module: nn.Module) -> Iterator[None]:
+    """``SHARDED_STATE_DICT`` for every wrapper under ``module`` for the
+    duration (nothing if there is none): what ``shardwise.checkpoint`` reads
+    and loads, so that a checkpoint of the wrapper API holds each rank's
+    shards only, as one of ``fully_shard`` does (registered with
+    ``shardwise.checkpoint.state.register_sharded_state_dict``)."""
+    if not wrappers_under(module):
+        yield
+        return
+    prev = get_state_dict_type(module)
+    set_state_dict_type(module, StateDictType.SHARDED_STATE_DICT)
+    try:
+        yield
+    finally:
+        set_state_dict_type(module, prev.state_dict_type, prev.state_dict_config, prev.optim_state_dict_config)
+
+
+register_sharded_state_dict(sharded_for_checkpoints)
 
 
 # ---- tensors ---------------------------------------------------------------------
