@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
@@ -137,7 +138,9 @@ def default_mesh() -> DeviceMesh:
             "fully_shard needs torch.distributed to be initialised: call "
             "torch.distributed.init_process_group(...) first, or pass mesh=."
         )
-    return init_device_mesh(_device_type_for_backend(), (dist.get_world_size(),))
+    # A mesh holds a real table of ranks: made outside a FakeTensorMode (the planner's) if one is active.
+    with unset_fake_temporarily():
+        return init_device_mesh(_device_type_for_backend(), (dist.get_world_size(),))
 
 
 def _device_of(mesh: DeviceMesh) -> torch.device:
@@ -315,11 +318,12 @@ _SUBGROUPS: dict[tuple[tuple[int, ...], int], SubgroupInfo] = {}
 
 def post_forward_subgroup(info: MeshInfo, size: int) -> SubgroupInfo:
     """The group of ``size`` consecutive shard-group ranks that this rank belongs to."""
-    rows: list[list[int]] = info.mesh.mesh.reshape(-1, info.shard_size).tolist()
+    with unset_fake_temporarily():  # the mesh's rank table is real, also under the planner's fake tensors
+        rows: list[list[int]] = info.mesh.mesh.reshape(-1, info.shard_size).tolist()
     key = (tuple(r for row in rows for r in row), size)
     cached = _SUBGROUPS.get(key)
-    if cached is not None:
-        return cached
+    if cached is not None and cached.group in dist.distributed_c10d._world.pg_map:
+        return cached  # (a group of a destroyed world, e.g. the planner's last fake one, is made anew)
     me = dist.get_rank()
     mine: SubgroupInfo | None = None
     # new_group is collective over the whole world: every rank creates every group.

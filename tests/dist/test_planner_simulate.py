@@ -225,3 +225,52 @@ def test_fake_world_refuses_bad_arguments():
     with pytest.raises(ValueError, match="rank"):
         with fake_world(4, rank=4):
             pass
+
+
+def _own_step(mode=None):
+    """A training step of the user's own (not `shardwise train`'s): blocks
+    resharded to groups of 2 ranks after forward (an int), CPU offload, bf16."""
+    from contextlib import nullcontext
+
+    from shardwise import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from shardwise.models import GPT, GPTConfig
+    from shardwise.planner import MemoryTracker
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=96, seq_len=16, dim=32, n_layers=3, n_heads=2))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with mode or nullcontext():
+        tracker = MemoryTracker()
+        with tracker:
+            for block in model.blocks:
+                fully_shard(block, reshard_after_forward=2, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+            fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+            model.to_empty(device="cpu")
+            optim = torch.optim.AdamW(model.parameters())
+            tracker.watch(model, optim)
+            for step in range(2):
+                with tracker.step():
+                    tracker.phase("batch")
+                    x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(step))
+                    tracker.phase("forward")
+                    loss = GPT.loss(model(x), x)
+                    tracker.phase("backward")
+                    loss.backward()
+                    tracker.phase("optimizer")
+                    optim.step()
+                optim.zero_grad()
+    return tracker.result()
+
+
+def test_python_api_plans_a_step_of_your_own():
+    """fake_world + MemoryTracker on a step that is not `shardwise train`'s
+    (reshard_after_forward=2, offload, bf16) at 4 ranks equals the real step."""
+    from shardwise.planner import fake_world
+
+    with fake_world(4, rank=0) as mode:
+        planned = _own_step(mode)
+    real = run_on_ranks(_own_step, 4)
+    assert planned.peak_bytes == real[0].peak_bytes
+    assert planned.by_category == real[0].by_category
+    assert planned.comm_bytes_per_step == real[0].comm_bytes_per_step
+    assert planned.collectives_per_step["all_gather"] > 4  # the post-forward (2-rank) gathers too
