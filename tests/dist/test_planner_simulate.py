@@ -274,3 +274,18 @@ def test_python_api_plans_a_step_of_your_own():
     assert planned.by_category == real[0].by_category
     assert planned.comm_bytes_per_step == real[0].comm_bytes_per_step
     assert planned.collectives_per_step["all_gather"] > 4  # the post-forward (2-rank) gathers too
+
+
+def test_readme_plan_example_runs_as_written(capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Plan before you run") : readme.index("## Checkpoints")]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    scope: dict = {}
+    exec(compile(code, "README.md (Plan)", "exec"), scope)
+    memory = scope["memory"]
+    assert memory.peak_bytes > memory.by_category["activations"] > 0
+    assert memory.comm_bytes_per_step["all_gather"] > memory.comm_bytes_per_step["reduce_scatter"] > 0
+    assert str(memory.peak_bytes) in capsys.readouterr().out
