@@ -150,7 +150,8 @@ def train_command(ns: argparse.Namespace) -> None:
         return
     try:
         launch(plan)
-    except RunFailed as exc:  # local ranks: one message, whichever way a rank failed
+    except RunFailed as exc:  # one message, whichever way a rank failed; under torchrun in the error file too
+        ErrorHandler().record_exception(exc)
         _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)

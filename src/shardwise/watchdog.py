@@ -383,6 +383,19 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store may be gone at the end of a run
             pass
 
+    def gone(self) -> list[RankRecord]:
+        """The other ranks whose processes have exited, as far as this host can see (``/proc``; a rank on
+        another host is never listed), with what they last published; e.g. to say, when a collective
+        fails, which rank's exit it follows."""
+        if self._store is None:
+            return []
+        try:
+            records = read_records(self._store, self.world_size)
+        except Exception:  # noqa: BLE001 - a question asked while failing: no answer rather than another error
+            return []
+        return [rec for r, rec in sorted(records.items()) if r != self.rank and not rec.done
+                and _process_state(rec) in ("gone", "Z", "X")]
+
     def __enter__(self) -> Watchdog:
         return self.start()
 

@@ -49,7 +49,7 @@ from shardwise.train.report import (
 )
 from shardwise.train.schedule import learning_rate
 from shardwise.train.step import make_optimizer, training_step
-from shardwise.train.supervise import checkpoint_hint, mark_failed, supervise
+from shardwise.train.supervise import checkpoint_hint, explain_failure, mark_failed, supervise
 
 __all__ = ["launch", "run_rank", "state_bytes", "train"]
 
@@ -333,9 +333,14 @@ def run_rank(rank: int, world_size: int, plan: Plan, port: int | None) -> None:
         train(plan, rank, device)
         with watchdog.collective("barrier (end of run)"):
             dist.barrier()  # leave together
-    except Exception:
-        if store is not None:
-            mark_failed(store, rank)  # see [Note: which rank failed first] in shardwise.train.supervise
+    except Exception as exc:  # see [Note: which rank failed first] in shardwise.train.supervise
+        first = mark_failed(store if store is not None else dist.distributed_c10d._get_default_store(), rank)
+        if port is None:  # torchrun: this rank's error file says whose failure this one follows
+            cfg = plan.cfg
+            hint = checkpoint_hint(cfg.checkpoint_dir, bool(cfg.checkpoint_every or cfg.stop_at))
+            follows = explain_failure(rank, first, wd.gone() if wd is not None else [], exc, hint)
+            if follows is not None:
+                raise follows from None  # the error file holds this line, not the collective's traceback
         raise
     finally:
         if wd is not None:
@@ -348,12 +353,16 @@ def _quiet(report: watchdog.WatchdogReport) -> None:
 
 
 def _to_torchrun(report: watchdog.WatchdogReport) -> None:
-    """Under torchrun: the reporting rank logs the watchdog's report, every rank writes it to its error file."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
+    """Under torchrun: the reporting rank logs the watchdog's report, every rank writes it to its error
+    file (as ``@record`` would an exception's, the report in place of the traceback torchrun shows)."""
     if report.reporter:
-        log.error("%s", report.message)
-    ErrorHandler().record_exception(TimeoutError(report.message))
+        logging.getLogger("shardwise.watchdog").error("%s", report.message)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        first = report.message.splitlines()[0]
+        with open(path, "w") as fh:
+            json.dump({"message": {"message": f"TimeoutError: {first}", "extraInfo": {
+                "py_callstack": report.message + "\n", "timestamp": str(int(time.time()))}}}, fh)
 
 
 def _loopback_interface() -> str | None:

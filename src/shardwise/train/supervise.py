@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import os
 import pickle
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -29,9 +30,9 @@ from typing import Any
 from torch._C._distributed_c10d import Store
 
 from shardwise.errors import ShardwiseError
-from shardwise.watchdog import EXIT_CODE, read_records, read_report
+from shardwise.watchdog import EXIT_CODE, RankRecord, read_records, read_report
 
-__all__ = ["RunFailed", "checkpoint_hint", "mark_failed", "supervise"]
+__all__ = ["RunFailed", "checkpoint_hint", "explain_failure", "mark_failed", "supervise"]
 
 _FAILED = "shardwise/failed"
 
@@ -50,13 +51,46 @@ class RunFailed(ShardwiseError, RuntimeError):
         self.exit_code = exit_code
 
 
-def mark_failed(store: Store, rank: int) -> None:
-    """Claim "first to fail" for ``rank`` if no rank has (call before the exception ends the rank)."""
+def mark_failed(store: Store, rank: int) -> int | None:
+    """Claim "first to fail" for ``rank`` if no rank has (call before the exception ends the rank);
+    returns the rank that did (``None`` if the store cannot tell)."""
     try:
         if store.add(_FAILED, 1) == 1:
             store.set(_FAILED + "/first", str(rank))
+            return rank
+        deadline = time.monotonic() + 2.0
+        while not store.check([_FAILED + "/first"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return int(store.get(_FAILED + "/first"))
     except Exception:  # noqa: BLE001 - a failing rank must fail with its own exception, not the store's
-        pass
+        return None
+
+
+def explain_failure(rank: int, first: int | None, gone: list[RankRecord], exc: BaseException,
+                    hint: str) -> RunFailed | None:
+    """Under torchrun, where each rank's error file is all that is said of it: if ``exc`` only follows
+    another rank's failure (a rank that raised first, or one whose process is ``gone``, killed by a
+    signal), a :class:`RunFailed` that says so in one line; ``None`` if ``exc`` is this rank's own.
+
+    Args:
+        rank: this rank.
+        first: the rank that claimed the first failure (:func:`mark_failed`).
+        gone: the other ranks whose processes have exited (``shardwise.watchdog.Watchdog.gone``).
+        exc: what this rank raised.
+        hint: where the run can continue from (:func:`checkpoint_hint`).
+    """
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0][:200]  # gloo's "[path:line] What. Advice."
+    then = f"rank {rank} then failed ({type(exc).__name__}: {text})"
+    if first is not None and first != rank:
+        return RunFailed(f"rank {first} raised an exception first (its traceback is in its error file); {then}; "
+                         f"{hint}", 1)
+    if gone:
+        rec = gone[0]
+        at = f" at step {rec.step}" if rec.step is not None else ""
+        return RunFailed(f"rank {rec.rank} (pid {rec.pid}) exited{at} without an exception (killed by a signal?); "
+                         f"{then}; {hint}", 1)
+    return None
 
 
 def checkpoint_hint(checkpoint_dir: str, checkpointing: bool) -> str:
