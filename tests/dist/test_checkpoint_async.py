@@ -356,3 +356,25 @@ def test_killed_during_background_write_leaves_the_previous_checkpoint(tmp_path)
     assert names[0].startswith(".step-00000002.tmp-") and names[1:] == ["step-00000001"], names
     name, extra = run_on_ranks(_verify, 2, root=str(root))[0]
     assert name == "step-00000001" and extra == {"step": 1}
+
+
+# ---- the README's example, as written ---------------------------------------------------
+def _readme_example() -> str:
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("## Checkpoints") : text.index("## Layout")]
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", section, re.S) if "async_mode=True" in c]
+    return code
+
+
+def test_readme_async_example_runs_and_resumes_under_torchrun(tmp_path):
+    (tmp_path / "train_async.py").write_text(_readme_example())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train_async.py"]
+    for committed in ("step-00000040", "step-00000080"):  # the second run resumes the first
+        proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        # both ranks say so (their lines may interleave)
+        assert proc.stdout.count(f"committed {tmp_path / 'runs' / 'async' / committed}") == 2, proc.stdout
+    assert sorted(p.name for p in (tmp_path / "runs" / "async").iterdir()) == ["step-00000070", "step-00000080"]

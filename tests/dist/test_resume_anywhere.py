@@ -164,13 +164,14 @@ def _gpt_cfg():
     return GPTConfig(vocab_size=61, seq_len=12, dim=20, n_layers=2, n_heads=2, mlp_ratio=3)
 
 
-def _wrapper(seed):
-    from shardwise import FullyShardedDataParallel
+def _wrapper(seed, strategy="FULL_SHARD"):
+    from shardwise import FullyShardedDataParallel, ShardingStrategy
     from shardwise.models import GPT, Block
     from shardwise.wrap import ModuleWrapPolicy
 
     torch.manual_seed(seed)
-    return FullyShardedDataParallel(GPT(_gpt_cfg()), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    return FullyShardedDataParallel(GPT(_gpt_cfg()), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                    sharding_strategy=getattr(ShardingStrategy, strategy))
 
 
 def _per_module(seed):
@@ -218,9 +219,10 @@ def _assert_same(a, b, where):
     assert a["optim"]["param_groups"] == b["optim"]["param_groups"], where
 
 
-@pytest.mark.parametrize("async_mode", [False, True])
+@pytest.mark.parametrize("strategy,async_mode", [("FULL_SHARD", False), ("FULL_SHARD", True),
+                                                 ("SHARD_GRAD_OP", True), ("NO_SHARD", False)])
 @multi_rank(world_sizes=(2,))
-def test_wrapper_checkpoint_loads_into_fully_shard_and_back(tmp_path, async_mode):
+def test_wrapper_checkpoint_loads_into_fully_shard_and_back(tmp_path, strategy, async_mode):
     from torch.distributed.checkpoint import FileSystemReader
 
     from shardwise import FullyShardedDataParallel, StateDictType, checkpoint
@@ -229,7 +231,7 @@ def test_wrapper_checkpoint_loads_into_fully_shard_and_back(tmp_path, async_mode
         saved = checkpoint.save(tmp_path / name, model, opt, extra={"step": step}, async_mode=async_mode)
         return saved.wait() if async_mode else saved
 
-    wrapper = _wrapper(0)
+    wrapper = _wrapper(0, strategy)
     opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-2, weight_decay=0.1)
     for s in range(2):
         _step(wrapper, opt, s)
@@ -238,7 +240,7 @@ def test_wrapper_checkpoint_loads_into_fully_shard_and_back(tmp_path, async_mode
     # sharded like fully_shard's: each rank wrote only its shard (not a gathered FULL_STATE_DICT, the
     # wrapper's default, which is back in force)
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    assert len(metadata["model.blocks.0.qkv.weight"].chunks) == 2
+    assert len(metadata["model.blocks.0.qkv.weight"].chunks) == (1 if strategy == "NO_SHARD" else 2)
     assert FullyShardedDataParallel.get_state_dict_type(wrapper).state_dict_type == StateDictType.FULL_STATE_DICT
 
     per_module = _per_module(5)
@@ -251,7 +253,7 @@ def test_wrapper_checkpoint_loads_into_fully_shard_and_back(tmp_path, async_mode
 
     path = save("from-fully-shard", per_module, per_module_opt, 3)
     want = _full_state(per_module, per_module_opt)
-    back = _wrapper(9)
+    back = _wrapper(9, strategy)
     back_opt = torch.optim.AdamW(back.parameters(), lr=0.5)
     assert checkpoint.load(path, back, back_opt) == {"step": 3}
     _assert_same(_full_state(back, back_opt), want, "fully_shard -> wrapper")
