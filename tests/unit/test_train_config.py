@@ -190,3 +190,14 @@ def test_toml_on_python_310_reads_through_tomli(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tomli", None)  # not installed: a clear error naming the fix
     with pytest.raises(ConfigError, match="needs the 'tomli' package.*pip install"):
         load_toml(_toml(tmp_path, "steps = 5\n"))
+
+
+def test_checkpoint_async_is_a_flag_and_a_key(tmp_path):
+    from shardwise.cli import _parser
+    from shardwise.train.config import config_from_flags
+
+    assert TrainConfig().checkpoint_async is False
+    assert load_toml(_toml(tmp_path, "[checkpoint]\ncheckpoint_async = true\n")) == {"checkpoint_async": True}
+    for flags, want in ((["--checkpoint-async"], True), (["--no-checkpoint-async"], False), ([], False)):
+        ns, _ = _parser().parse_known_args(["train", *flags])
+        assert config_from_flags(ns).checkpoint_async is want
