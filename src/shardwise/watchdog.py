@@ -383,18 +383,28 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store may be gone at the end of a run
             pass
 
-    def gone(self) -> list[RankRecord]:
+    def gone(self, wait: float = 0.0) -> list[RankRecord]:
         """The other ranks whose processes have exited, as far as this host can see (``/proc``; a rank on
         another host is never listed), with what they last published; e.g. to say, when a collective
-        fails, which rank's exit it follows."""
+        fails, which rank's exit it follows.
+
+        Args:
+            wait: look again for this long (seconds) while none is gone: a killed process closes its
+                sockets, failing its peers' collectives, a moment before it is a zombie. (Default: ``0``)
+        """
         if self._store is None:
             return []
         try:
             records = read_records(self._store, self.world_size)
         except Exception:  # noqa: BLE001 - a question asked while failing: no answer rather than another error
             return []
-        return [rec for r, rec in sorted(records.items()) if r != self.rank and not rec.done
-                and _process_state(rec) in ("gone", "Z", "X")]
+        others = [rec for r, rec in sorted(records.items()) if r != self.rank and not rec.done]
+        deadline = time.monotonic() + wait
+        while True:
+            found = [rec for rec in others if _process_state(rec) in ("gone", "Z", "X")]
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.005)
 
     def __enter__(self) -> Watchdog:
         return self.start()

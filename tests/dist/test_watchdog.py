@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,18 +27,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = Path(__file__).resolve().parent / "faults"
 TINY = ["--nproc", "2", "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--batch-size", "4",
-        "--warmup-steps", "2", "--lr", "1e-2", "--log-level", "warning"]
+        "--warmup-steps", "2", "--lr", "1e-2", "--log-level", "warning", "--device", "cpu"]
 
 
 class Run:
     """One `shardwise train` subprocess with injected faults; its ranks' pids and steps from their files."""
 
-    def __init__(self, tmp: Path, *args: str, faults: list[dict] | None = None) -> None:
+    def __init__(self, tmp: Path, *args: str, faults: list[dict] | None = None, torchrun: bool = False) -> None:
         self.dir = tmp
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                "SHARDWISE_TEST_FAULT": json.dumps({"dir": str(tmp), "faults": faults or []})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "shardwise", "train", *TINY, *args], env=env,
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                    str(_free_port())] if torchrun else [sys.executable]
+        tiny = TINY[2:] if torchrun else TINY  # torchrun's parser would take --nproc for its own (ambiguous)
+        self.proc = subprocess.Popen([*launcher, "-m", "shardwise", "train", *tiny, *args], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.seen_pids: set[int] = set()
 
@@ -85,6 +89,12 @@ class Run:
             self.proc.wait(10)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -97,8 +107,8 @@ def _alive(pid: int) -> bool:
 def runs(tmp_path):
     started: list[Run] = []
 
-    def start(*args: str, faults: list[dict] | None = None) -> Run:
-        run = Run(tmp_path, *args, faults=faults)
+    def start(*args: str, faults: list[dict] | None = None, torchrun: bool = False) -> Run:
+        run = Run(tmp_path, *args, faults=faults, torchrun=torchrun)
         started.append(run)
         return run
 
@@ -183,3 +193,32 @@ def test_a_slow_healthy_run_never_fires(runs, tmp_path):
     assert "watchdog:" not in err and "STUCK" not in err, err
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000003", "step-00000006",
                                                                     "step-00000008"]
+
+
+def test_under_torchrun_the_error_files_say_what_happened(runs, tmp_path):
+    """torchrun's failure summary shows what each rank's error file holds: for a stopped rank the
+    watchdog's report; for a killed one, the survivor's line naming it, its step and the checkpoint."""
+    run = runs("--steps", "100000", "--watchdog-timeout", "6", torchrun=True)
+    run.wait_for_step(3)
+    stuck = run.pid(1)
+    os.kill(stuck, signal.SIGSTOP)
+    code, out, err, took = run.finish(60)
+    assert code != 0 and took < 30, err
+    summary = err[err.index("Root Cause"):]
+    assert "exitcode  : 124" in summary and "watchdog: rank 1 does not run" in summary, err
+    assert f"rank 1: STUCK, pid {stuck} is stopped" in summary and not _alive(stuck)
+
+    for f in tmp_path.glob("rank*"):
+        f.unlink()
+    run = runs("--steps", "100000", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+               torchrun=True)
+    run.wait_for_step(5)
+    killed = run.pid(1)
+    os.kill(killed, signal.SIGKILL)
+    code, out, err, took = run.finish(60)
+    assert code != 0 and took < 20, err
+    line = next(x for x in err.splitlines() if x.startswith("shardwise train: error: "))
+    assert line.startswith(f"shardwise train: error: rank 1 (pid {killed}) exited at step "), err
+    assert "without an exception (killed by a signal?); rank 0 then failed (" in line
+    assert "; the last complete checkpoint is " in line and line.endswith(": rerun with --resume")
+    assert "]: Traceback" not in err, err  # no rank printed one (torchrun's summary shows the error files)

@@ -338,7 +338,8 @@ def run_rank(rank: int, world_size: int, plan: Plan, port: int | None) -> None:
         if port is None:  # torchrun: this rank's error file says whose failure this one follows
             cfg = plan.cfg
             hint = checkpoint_hint(cfg.checkpoint_dir, bool(cfg.checkpoint_every or cfg.stop_at))
-            follows = explain_failure(rank, first, wd.gone() if wd is not None else [], exc, hint)
+            gone = wd.gone(wait=0.5) if wd is not None and first == rank else []
+            follows = explain_failure(rank, first, gone, exc, hint)
             if follows is not None:
                 raise follows from None  # the error file holds this line, not the collective's traceback
         raise
