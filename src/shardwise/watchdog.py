@@ -272,6 +272,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._watched = 0  # the thread whose stack a report shows
+        self._host, self._pid, self._start = "", 0, ""  # who this rank is, for the others' /proc checks
         self._beat = 0
         self._store_failing_since: float | None = None
 
