@@ -12,7 +12,7 @@ from shardwise.testing import multi_rank
 STEPS = 3
 
 
-def _setup(world_size, reshard, precision, wrapping, mesh_shape=None, reference="unsharded"):
+def _setup(world_size, reshard, precision, wrapping, mesh_shape=None, reference="unsharded", tol=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardwise import MixedPrecisionPolicy, fully_shard
@@ -22,7 +22,7 @@ def _setup(world_size, reshard, precision, wrapping, mesh_shape=None, reference=
     # dims chosen so several parameters do not divide evenly by 4 ranks
     cfg = GPTConfig(vocab_size=61, seq_len=12, dim=20, n_layers=2, n_heads=2, mlp_ratio=3)
     mp = MixedPrecisionPolicy()
-    tol = EXACT
+    fixed, tol = tol, EXACT
     if precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         # The reference computes in bf16 too (fp32 master weights, fp32 gradient
@@ -57,6 +57,7 @@ def _setup(world_size, reshard, precision, wrapping, mesh_shape=None, reference=
     wrap_reference = {"unsharded": None, "ddp": ddp, "torch_fsdp": torch_fsdp}[reference]
     if reference == "torch_fsdp":
         tol = EXACT if precision == "fp32" else Tolerance(loss_rtol=1e-3, loss_atol=1e-3, rtol=1e-5, atol=1e-5)
+    tol = fixed or tol
     return parity_train(
         lambda: GPT(cfg),
         shard,
@@ -87,9 +88,18 @@ def test_parity_reshard_to_group_of_2(world_size, precision, wrapping):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("reference", ["unsharded", "torch_fsdp"])
 @multi_rank(world_sizes=(4,))
-def test_parity_hsdp_2x2(world_size, precision):
-    _setup(world_size, True, precision, "blocks", mesh_shape=(2, 2))
+def test_parity_hsdp_2x2(world_size, reference, precision):
+    """Against PyTorch's fully_shard on the same 2x2 mesh: the same reduction
+    order, so exact in fp32. Against an unsharded model the gradients are
+    summed in another order (reduce-scatter over 2, then all-reduce over 2),
+    a rounding difference that AdamW blows up to ~1e-5 on parameters whose
+    gradient is near zero (its update is lr * m / sqrt(v) whatever the size)."""
+    from shardwise.testing.training import Tolerance
+
+    tol = Tolerance(rtol=1e-5, atol=1e-4) if (reference, precision) == ("unsharded", "fp32") else None
+    _setup(world_size, True, precision, "blocks", mesh_shape=(2, 2), reference=reference, tol=tol)
 
 
 # The reference as an axis: DDP (fp32: it has no mixed precision of its own)
