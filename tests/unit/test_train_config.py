@@ -149,8 +149,8 @@ def test_dry_run_prints_plan_for_many_ranks_without_allocating(capsys, monkeypat
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1024")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    main(["train", "--dry-run", "--device", "cpu", "--batch-size", "1024", "--dim", "1024", "--n-layers", "24",
-          "--n-heads", "16", "--strategy", "hybrid", "--precision", "bf16"])
+    main(["train", "--dry-run", "--device", "cpu", "--batch-size", "1024", "--dim", "256", "--n-layers", "8",
+          "--n-heads", "4", "--strategy", "hybrid", "--precision", "bf16"])
     out = capsys.readouterr().out
     assert "1024 ranks" in out and "shard_size = 8" in out
     assert "the 128 replicas of the hybrid mesh" in out
