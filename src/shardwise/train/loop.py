@@ -294,7 +294,10 @@ def train(plan: Plan, rank: int, device: torch.device) -> None:
     elif cfg.checkpoint_every:
         log.info(f"checkpoints: {cfg.checkpoint_dir}")
     if cfg.export and end == cfg.steps:
-        log.info(f"exported the unsharded model to {cfg.export} (safetensors)")
+        from shardwise.checkpoint.hf_directory import is_directory_export
+
+        kind = "a Hugging Face directory" if is_directory_export(cfg.export) else "one safetensors file"
+        log.info(f"exported the unsharded model to {cfg.export} ({kind})")
     if cfg.plot:
         steps = [h["step"] for h in run.history]
         with watchdog.busy("plot"):
