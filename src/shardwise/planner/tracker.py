@@ -109,9 +109,6 @@ def _collective_table() -> dict[Any, tuple[str, str]]:
     return table
 
 
-_EMPTY = torch.UntypedStorage(0, device="meta")  # type: ignore[no-untyped-call]
-
-
 def _is_fake(t: torch.Tensor) -> bool:
     if is_traceable_wrapper_subclass(t):
         return t.device.type != "meta"  # a wrapper over fake tensors reports the fake device
@@ -215,7 +212,6 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._regions: list[str] = []
         self._steps: list[_Step] = []
         self._current: _Step | None = None
-        self._active = False
         if model is not None:
             self.watch(model, optimizer)
 
@@ -253,13 +249,11 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> MemoryTracker:
         observe.register(self)
-        self._active = True
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        self._active = False
         observe.unregister(self)
 
     # ---- storages ------------------------------------------------------------
@@ -292,12 +286,15 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     # storage of its own over the flat buffer's memory. Such a storage lies
     # inside a tracked one's address range and is not counted again. Fake
     # storages (device "meta") have no addresses and never alias this way.
-    def _place(self, seq: int, storage: torch.UntypedStorage) -> None:
+    def _unplace(self, seq: int) -> None:
         old = self._span_of.pop(seq, None)
         if old is not None:
             at = bisect.bisect_left(self._spans, old)
             if at < len(self._spans) and self._spans[at] == old:
                 del self._spans[at]
+
+    def _place(self, seq: int, storage: torch.UntypedStorage) -> None:
+        self._unplace(seq)
         if storage.device.type == "meta" or storage.nbytes() == 0:
             return
         start = storage.data_ptr()
@@ -319,7 +316,7 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def released(_: object) -> None:
             if self._seq_of.get(key) == seq:
                 del self._seq_of[key]
-            self._place(seq, _EMPTY)
+            self._unplace(seq)
             self._freed[seq] = len(self._events_seq)
             self._event(seq, -self._size[seq])
             self._size[seq] = 0
