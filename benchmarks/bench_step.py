@@ -182,11 +182,18 @@ def count_all_gather_bytes() -> None:
         return orig(output_tensor, input_tensor, *a, **k)
 
     dist.all_gather_single = counting
-    try:  # shardwise binds its collective at import
+    try:  # shardwise binds its collective at import, and on gloo exchanges pairwise
         import shardwise.comm
 
         shardwise.comm._all_gather = counting
-    except ImportError:
+        exchange = shardwise.comm.exchange_all_gather
+
+        def counting_exchange(output: torch.Tensor, input_tensor: torch.Tensor, group: Any) -> Any:
+            _AG_BYTES[0] += output.numel() * output.element_size()
+            return exchange(output, input_tensor, group)
+
+        shardwise.comm.exchange_all_gather = counting_exchange
+    except (ImportError, AttributeError):
         pass
 
 
