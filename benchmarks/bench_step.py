@@ -13,6 +13,8 @@ CPU with the gloo backend, ``--nproc`` ranks (default 2), one thread per rank:
 * ``shardwise_int8`` - shardwise with ``QuantizedAllGather`` (int8 + per-block scales)
   as every module's all-gather (``set_custom_all_gather``);
 * ``shardwise_fsdp1`` (on request) - shardwise's ``FullyShardedDataParallel``, as ``torch_fsdp1``;
+* ``shardwise_gloo_collectives`` (on request) - ``shardwise`` calling gloo's all-gather and
+  reduce-scatter as PyTorch does, not its in-place path ([Note: gloo without its copies]);
 * ``shardwise_compiled`` / ``torch_compiled`` (on request only) - ``shardwise`` /
   ``torch_fsdp`` with every block then compiled in place (``block.compile()``,
   inductor), as torchtitan does; the warm-up steps absorb compilation.
@@ -74,7 +76,7 @@ except Exception:  # noqa: BLE001 - the package itself is broken: load the model
 
 CONFIGS = ("shardwise", "torch_fsdp", "torch_fsdp1", "ddp", "local", "shardwise_int8")
 # Not in the default set (compiling takes a minute per config): ask for them by name.
-EXTRA_CONFIGS = ("shardwise_compiled", "torch_compiled", "shardwise_fsdp1")
+EXTRA_CONFIGS = ("shardwise_compiled", "torch_compiled", "shardwise_fsdp1", "shardwise_gloo_collectives")
 BASELINE = "torch_fsdp"
 MIB = 2**20
 
@@ -135,6 +137,10 @@ def wrap(config: str, model: GPT, args: argparse.Namespace, world_size: int) -> 
     if config.endswith("_compiled"):
         for block in model.blocks:
             block.compile()
+    if config == "shardwise_gloo_collectives":  # gloo's own collectives, as PyTorch calls them
+        import shardwise.comm
+
+        shardwise.comm._in_place_gloo = lambda *_args: False
     if config == "shardwise_int8":
         from shardwise import FSDPModule, QuantizedAllGather
 
@@ -182,17 +188,17 @@ def count_all_gather_bytes() -> None:
         return orig(output_tensor, input_tensor, *a, **k)
 
     dist.all_gather_single = counting
-    try:  # shardwise binds its collective at import, and on gloo exchanges pairwise
+    try:  # shardwise binds its collective at import, and on gloo gathers by broadcasts
         import shardwise.comm
 
         shardwise.comm._all_gather = counting
-        exchange = shardwise.comm.exchange_all_gather
+        gloo_all_gather = shardwise.comm.gloo_all_gather
 
-        def counting_exchange(output: torch.Tensor, input_tensor: torch.Tensor, group: Any) -> Any:
+        def counting_gloo(output: torch.Tensor, input_tensor: torch.Tensor, group: Any) -> Any:
             _AG_BYTES[0] += output.numel() * output.element_size()
-            return exchange(output, input_tensor, group)
+            return gloo_all_gather(output, input_tensor, group)
 
-        shardwise.comm.exchange_all_gather = counting_exchange
+        shardwise.comm.gloo_all_gather = counting_gloo
     except (ImportError, AttributeError):
         pass
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -83,8 +83,8 @@ def all_gather_tensor(
     bytes: gloo has no float8 type, and an all-gather moves bytes unchanged."""
     if input_tensor.dtype.is_floating_point and input_tensor.dtype.itemsize == 1:
         output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-    if _exchanges(group, output_tensor, input_tensor):
-        return _finish(exchange_all_gather(output_tensor, input_tensor, group), async_op)
+    if _in_place_gloo(group, output_tensor, input_tensor):
+        return _finish(gloo_all_gather(output_tensor, input_tensor, group), async_op)
     return cast("WorkHandle | None", _all_gather(output_tensor, input_tensor, group=group, async_op=async_op))
 
 
@@ -96,44 +96,44 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> WorkHandle | None:
     """``torch.distributed``'s reduce-scatter into one tensor, under its current name
-    (on gloo a pairwise exchange, see [Note: pairwise exchange on gloo])."""
-    if op == dist.ReduceOp.SUM and _exchanges(group, output_tensor, input_tensor) and group.size() == 2:
-        return _finish(exchange_reduce_scatter(output_tensor, input_tensor, group), async_op)
+    (over two gloo ranks an all-to-all, see [Note: gloo without its copies])."""
+    if op == dist.ReduceOp.SUM and _in_place_gloo(group, output_tensor, input_tensor) and group.size() == 2:
+        return _finish(gloo_reduce_scatter(output_tensor, input_tensor, group), async_op)
     return cast("WorkHandle | None", _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op))
 
 
-# [Note: pairwise exchange on gloo]
+# [Note: gloo without its copies]
 # gloo's all-gather gathers into a flat buffer of its own and copies that into
 # the output; its reduce-scatter clones the input, all-reduces the clone and
 # copies this rank's chunk out (twice the bytes of a reduce-scatter on the
 # wire). On CPU those copies and bytes are CPU time taken from compute. Over a
-# gloo group, shardwise's own collectives therefore exchange chunks pairwise
-# with gloo's point-to-point send / recv, which read and write the tensors in
-# place: the all-gather receives each rank's input straight into its row of
-# the output (each rank sends its input to every other, (world - 1) times its
-# size, as a ring does). The reduce-scatter over two ranks sends the other
-# rank its row and adds the row it receives to its own: the same two numbers
-# added as gloo adds them, so results are bit for bit gloo's. Over more ranks
-# the order of a sum decides its last bits, and gloo's ring orders each
-# element's sum by where it falls in the buffer; a sum in any other order
-# would move results off gloo's (and off DDP's) by rounding, which AdamW
-# magnifies on near-zero gradients, so there gloo's own reduce-scatter runs.
+# gloo group, shardwise's own collectives therefore use gloo collectives that
+# read and write the tensors in place, still run by gloo's own threads:
+# - all-gather: this rank's input is copied into its row of the output, then
+#   one broadcast per rank fills that rank's row everywhere (the same bytes
+#   as a ring; no flat buffer, no copy back);
+# - reduce-scatter over two ranks: one all-to-all sends the other rank its
+#   row, and this rank's sum is row 0 + row 1 of what arrived: the same two
+#   numbers added as gloo adds them, so results are gloo's bit for bit. Over
+#   more ranks the order of a sum decides its last bits, and gloo's ring
+#   orders each element's sum by where it falls in the buffer; any other
+#   order would move results off gloo's (and off DDP's) by rounding, which
+#   AdamW magnifies on near-zero gradients, so there gloo's reduce-scatter runs.
+# (Point-to-point send / recv from the training thread was tried first: on a
+# loaded CPU, posting a receive waits on the transport's lock while gloo's
+# loop thread moves other data, 3 ms per call on the 24-block benchmark.)
 # Under a Python dispatch mode (``CommDebugMode``, shardwise's memory tracker,
-# fake tensors) the collectives stay gloo's, so whoever counts them sees
-# what PyTorch's FSDP issues, and a plan matches its measurement. Other
-# backends are left as they are.
+# fake tensors) the collectives stay gloo's, so whoever counts them sees what
+# PyTorch's FSDP issues, and a plan matches its measurement.
 
-_TAG_BASE = 1 << 30  # well above the tags user code sends with
-# Per process group (dropped with it): the next tag, and whether it is gloo.
-_tags: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
-_backend_ok: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+_gloo: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
 
 
-def _exchanges(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor) -> bool:
-    """Whether a collective of ours over ``group`` is done as a pairwise exchange."""
+def _in_place_gloo(group: dist.ProcessGroup | None, output: torch.Tensor, input: torch.Tensor) -> bool:
+    """Whether a collective of ours over ``group`` takes gloo's in-place path."""
     if group is None:
         return False
-    ok = _backend_ok.get(group)
+    ok = _gloo.get(group)
     if ok is None:
         try:
             # "gloo", or gloo for CPU tensors in a group of several backends ("cpu:gloo,cuda:nccl")
@@ -141,26 +141,17 @@ def _exchanges(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tens
             ok = any(b in ("gloo", "cpu:gloo") for b in backends) and group.size() > 1
         except (RuntimeError, ValueError, TypeError):
             ok = False
-        _backend_ok[group] = ok
+        _gloo[group] = ok
     if not ok or output.device.type != "cpu" or not (output.is_contiguous() and input.is_contiguous()):
         return False
-    # Under a dispatch mode (CommDebugMode, a memory tracker, fake tensors)
-    # whoever counts collectives sees the ones PyTorch's FSDP issues.
     return torch._C._len_torch_dispatch_stack() == 0 and not isinstance(output, FakeTensor)
 
 
-def _next_tag(group: dist.ProcessGroup) -> int:
-    """A tag every rank of ``group`` draws alike (they issue our collectives in one order)."""
-    n = _tags.get(group, 0)
-    _tags[group] = (n + 1) % _TAG_BASE
-    return _TAG_BASE + n
+class _Works:
+    """Several works in flight as one; ``wait`` completes them, then runs
+    ``then`` (the reduce-scatter's sum) once."""
 
-
-class _Exchange:
-    """The sends and receives of one exchange; ``wait`` completes them, then
-    runs ``then`` (the reduce-scatter's sum) once."""
-
-    def __init__(self, works: list[Any], then: Any = None) -> None:
+    def __init__(self, works: list[Any], then: Callable[[], object] | None = None) -> None:
         self._works = works
         self._then = then
 
@@ -177,49 +168,40 @@ class _Exchange:
         return not self._works and self._then is None
 
 
-def _finish(exchange: _Exchange, async_op: bool) -> WorkHandle | None:
+def _finish(works: _Works, async_op: bool) -> WorkHandle | None:
     if async_op:
-        return exchange
-    exchange.wait()
+        return works
+    works.wait()
     return None
 
 
-def exchange_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Exchange:
-    """All-gather by pairwise send / recv: ``output`` (rank-major) receives
-    each rank's ``input`` in its row; see [Note: pairwise exchange on gloo]."""
+def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Works:
+    """All-gather by one broadcast per rank into its row of ``output``
+    (rank-major); see [Note: gloo without its copies]."""
     size, me = group.size(), group.rank()
     rows = output.view(size, -1)
     if rows.shape[1] != input.numel():
         raise ValueError(f"all-gather output of {output.numel()} elements for {size} ranks of {input.numel()}")
-    tag = _next_tag(group)
-    works = []
-    for peer in _peers(size, me) if input.numel() else []:
-        works.append(group.recv([rows[peer]], peer, tag))
-        works.append(group.send([input.view(-1)], peer, tag))
     rows[me].copy_(input.view(-1))
-    return _Exchange(works)
+    if not input.numel():
+        return _Works([])
+    return _Works([dist.broadcast(rows[r], group=group, group_src=r, async_op=True) for r in range(size)])
 
 
-def exchange_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Exchange:
-    """Reduce-scatter (SUM) over two ranks by send / recv: the other rank gets
-    its row of ``input``; ``output`` receives this rank's row from it and then
-    adds this rank's own row."""
+def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Works:
+    """Reduce-scatter (SUM) over two ranks: one all-to-all, then row 0 + row 1
+    of what arrived into ``output``; see [Note: gloo without its copies]."""
     if group.size() != 2:
-        raise ValueError(f"the exchange reduce-scatter is for two ranks, not {group.size()}")
-    me = group.rank()
-    peer = 1 - me
-    rows = input.view(2, -1)
+        raise ValueError(f"gloo_reduce_scatter is for two ranks, not {group.size()}")
     out = output.view(-1)
-    if rows.shape[1] != out.numel():
+    if 2 * out.numel() != input.numel():
         raise ValueError(f"reduce-scatter output of {out.numel()} elements for 2 ranks of {input.numel()}")
-    tag = _next_tag(group)
-    works = [group.recv([out], peer, tag), group.send([rows[peer]], peer, tag)] if out.numel() else []
-    return _Exchange(works, lambda: out.add_(rows[me]))
-
-
-def _peers(size: int, me: int) -> list[int]:
-    """The other ranks, starting after this one (so pairs do not all queue on rank 0)."""
-    return [(me + k) % size for k in range(1, size)]
+    if not out.numel():
+        return _Works([])
+    arrived = torch.empty_like(input)
+    work = dist.all_to_all_single(arrived, input, group=group, async_op=True)
+    rows = arrived.view(2, -1)
+    return _Works([work], lambda: torch.add(rows[0], rows[1], out=out))
 
 
 class FreshBuffers(Comm):

@@ -148,7 +148,7 @@ def _no_collectives():
     with pytest.MonkeyPatch.context() as mp:
         targets = [(mod, name) for name in names for mod in (c10d, dist)]
         targets += [(shardwise.comm, "_all_gather"), (shardwise.comm, "_reduce_scatter")]  # bound at import
-        targets += [(shardwise.comm, "exchange_all_gather"), (shardwise.comm, "exchange_reduce_scatter")]  # gloo
+        targets += [(shardwise.comm, "gloo_all_gather"), (shardwise.comm, "gloo_reduce_scatter")]  # gloo
         for mod, name in targets:
             real = getattr(mod, name)
             mp.setattr(mod, name, lambda *a, _n=name, _r=real, **k: (called.append(_n), _r(*a, **k))[1])

@@ -322,14 +322,13 @@ def test_comm_buffers_are_reused_within_a_step_and_freed_after_backward():
 
 
 @multi_rank(world_sizes=(2, 3, 4))
-def test_gloo_exchange_equals_gloo_collectives(world_size):
-    """[Note: pairwise exchange on gloo]: the all-gather (any world size) and
+def test_gloo_in_place_collectives_equal_gloo_collectives(world_size):
+    """[Note: gloo without its copies]: the all-gather (any world size) and
     the two-rank reduce-scatter give exactly gloo's results, bit for bit, also
     with several in flight at once and waited out of order, for uneven and
     empty inputs and several dtypes; the engine uses them on gloo and not
-    while a memory tracker observes (so measurement matches the plan)."""
+    under a dispatch mode (the memory tracker, CommDebugMode)."""
     import torch.distributed as dist
-
     from torch.distributed.tensor.debug import CommDebugMode
 
     import shardwise.comm as comm
@@ -350,7 +349,7 @@ def test_gloo_exchange_equals_gloo_collectives(world_size):
             rs_out = torch.full((n,), -1.0).to(dtype)
             work = comm.reduce_scatter_tensor(rs_out, g, group, dist.ReduceOp.SUM, async_op=True)
             pending.append(("RS", g, rs_out, work))
-    assert all(isinstance(w, comm._Exchange) for *_, w in pending)
+    assert all(isinstance(w, comm._Works) for *_, w in pending)
     for kind, x, out, work in reversed(pending):  # waited out of issue order
         work.wait()
         expected = torch.empty_like(out)
@@ -361,27 +360,27 @@ def test_gloo_exchange_equals_gloo_collectives(world_size):
         assert torch.equal(out, expected), (kind, x.numel(), x.dtype)
 
     used = []
-    real = comm.exchange_all_gather
+    real = comm.gloo_all_gather
 
     def counting(*args):
         used.append(1)
         return real(*args)
 
-    comm.exchange_all_gather = counting
+    comm.gloo_all_gather = counting
     try:
         model, cfg = _model()
         _step(model, cfg)
-        assert used, "the engine did not exchange on gloo"
+        assert used, "the engine did not take the in-place path on gloo"
         used.clear()
         with MemoryTracker():
             _step(model, cfg, seed=1)
-        assert not used, "exchanged under a memory tracker"
+        assert not used, "in-place path under a memory tracker"
         with CommDebugMode() as mode:  # as PyTorch's own FSDP tests count
             _step(model, cfg, seed=2)
-        assert not used, "exchanged under CommDebugMode"
+        assert not used, "in-place path under CommDebugMode"
         counts = mode.get_comm_counts()
         c10d = torch.ops.c10d
         assert counts[c10d._allgather_base_] == 2 * N_LAYERS + 1, counts  # forward + backward, root kept
         assert counts[c10d._reduce_scatter_base_] == N_LAYERS + 1, counts
     finally:
-        comm.exchange_all_gather = real
+        comm.gloo_all_gather = real
