@@ -122,10 +122,16 @@ def reduce_scatter_tensor(
 # (Point-to-point send / recv from the training thread was tried first: on a
 # loaded CPU, posting a receive waits on the transport's lock while gloo's
 # loop thread moves other data, 3 ms per call on the 24-block benchmark.)
+# Small collectives (under 1 MiB per rank) stay gloo's: there the copies saved
+# are small next to the extra collective per rank.
 # Under a Python dispatch mode (``CommDebugMode``, shardwise's memory tracker,
 # fake tensors) the collectives stay gloo's, so whoever counts them sees what
 # PyTorch's FSDP issues, and a plan matches its measurement.
 
+# Below this many bytes sent per rank, gloo's own collectives: the copies saved
+# are small next to the extra collective per rank (on the 24-block benchmark,
+# 132 KiB shards, no gain could be told from the noise).
+_IN_PLACE_MIN_BYTES = 1 << 20
 _gloo: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
 
 
@@ -143,6 +149,8 @@ def _in_place_gloo(group: dist.ProcessGroup | None, output: torch.Tensor, input:
             ok = False
         _gloo[group] = ok
     if not ok or output.device.type != "cpu" or not (output.is_contiguous() and input.is_contiguous()):
+        return False
+    if input.numel() * input.element_size() < _IN_PLACE_MIN_BYTES:
         return False
     return torch._C._len_torch_dispatch_stack() == 0 and not isinstance(output, FakeTensor)
 

@@ -337,7 +337,14 @@ def test_gloo_in_place_collectives_equal_gloo_collectives(world_size):
     group = dist.group.WORLD
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank)
-    cases = [(n, dtype) for n in (0, 1, 7, 1000) for dtype in (torch.float32, torch.bfloat16)]
+    # by default from 1 MiB sent per rank (300,000 floats); small ones too here
+    big = torch.zeros(300_000)
+    for n, in_place in ((big.numel(), True), (10, False)):
+        work = comm.all_gather_tensor(torch.empty(world_size * n), big[:n], group, True)
+        assert isinstance(work, comm._Works) == in_place, (n, type(work))
+        work.wait()
+    default_min, comm._IN_PLACE_MIN_BYTES = comm._IN_PLACE_MIN_BYTES, 0
+    cases = [(n, dtype) for n in (0, 1, 7, 1000, 300_000) for dtype in (torch.float32, torch.bfloat16)]
     cases.append((5, torch.uint8))
     pending = []
     for n, dtype in cases:
@@ -384,3 +391,4 @@ def test_gloo_in_place_collectives_equal_gloo_collectives(world_size):
         assert counts[c10d._reduce_scatter_base_] == N_LAYERS + 1, counts
     finally:
         comm.gloo_all_gather = real
+        comm._IN_PLACE_MIN_BYTES = default_min
