@@ -1,5 +1,6 @@
-"""The worker side of the harness: one spawned process per rank that joins
-the gloo group and serves tasks until told to stop (or its parent dies)."""
+"""The worker side of the harness: one process per rank (forked from the fork
+server, see harness) that joins the gloo group and serves tasks until told to
+stop (or its parent dies)."""
 
 from __future__ import annotations
 

@@ -5,13 +5,19 @@ started the first time a test asks for its world size and is then reused by
 every later test of the pytest session, so a test pays for a task round trip
 (about a millisecond), not for starting processes and importing torch.
 
-Each worker is a daemonic process from the ``spawn`` start method. It runs with
-one intra-op thread, joins the default process group (backend ``"gloo"``, on
-127.0.0.1, through a TCPStore that the parent process hosts on a port the
-operating system picks) and then serves tasks: import a module, look up a
-module-level function, call it with keyword arguments, send back its return
-value. After every task that succeeded the ranks meet in ``dist.barrier()`` so
-that one test cannot bleed into the next.
+Each worker is a daemonic process from the ``forkserver`` start method
+(``spawn`` where there is none): a server process, started with the first
+pool, imports torch and the worker's module once, and every worker of every
+pool is forked from it, so a pool starts in well under a second instead of
+each worker importing torch anew (seconds each). The server, and so every
+worker, has the environment of the pytest process when the first pool
+started, with ``OMP_NUM_THREADS=1``; ``sys.path`` is the current one at each
+start. A worker runs with one intra-op thread, joins the default process
+group (backend ``"gloo"``, on 127.0.0.1, through a TCPStore that the parent
+process hosts on a port the operating system picks) and then serves tasks:
+import a module, look up a module-level function, call it with keyword
+arguments, send back its return value. After every task that succeeded the
+ranks meet in ``dist.barrier()`` so that one test cannot bleed into the next.
 
 When a task fails on any rank the harness waits :data:`GRACE_PERIOD_S` seconds
 for the other ranks; a rank that has not finished by then is presumed hung in
@@ -83,8 +89,8 @@ DEFAULT_TIMEOUT_S: float = 120.0
 GRACE_PERIOD_S: float = 5.0
 
 _HOST = "127.0.0.1"
-# Environment the workers inherit at spawn: OpenMP reads it when torch loads,
-# before any code of ours runs in the child.
+# Environment the workers inherit at start (through the fork server, which
+# imports torch): OpenMP reads it when torch loads, before any code of ours runs.
 _SPAWN_ENV = {"OMP_NUM_THREADS": "1"}
 # Seconds to wait for a hung rank's stack dump after signalling it.
 _STACK_DUMP_WAIT_S = 1.0
@@ -411,6 +417,18 @@ def _patched_environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def _start_context() -> multiprocessing.context.BaseContext:
+    """The fork server's context, whose server (started with the first worker)
+    has imported the worker's module, torch included; ``spawn`` without one."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # Read when the server starts (once per session; a server that another user
+    # of forkserver started first imports the module in each worker instead).
+    ctx.set_forkserver_preload([_worker_main.__module__])
+    return ctx
+
+
 def _describe_exit(exitcode: int | None) -> str:
     """Describe a process exit code in words."""
     if exitcode is None:
@@ -457,7 +475,7 @@ class _Pool:
         if self._store is None:
             raise AssertionError("pool store missing")
         port = self._store.port
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _start_context()
         with _patched_environ(_SPAWN_ENV):
             for rank in range(self.world_size):
                 fd, dump_path = tempfile.mkstemp(
