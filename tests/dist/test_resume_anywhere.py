@@ -3,7 +3,13 @@ checkpoints) and resumed on 2 and on 3 repeats the uninterrupted run's
 losses; a checkpoint of the wrapper API loads into the per-module API and
 back; `--resume` with an empty directory starts afresh (saying so), and with
 a directory that holds anything but shardwise train's checkpoints is an
-error naming the fix, before any rank starts."""
+error naming the fix, before any rank starts.
+
+The uninterrupted run is the command's training loop on the 4 ranks of the
+test pool (``shardwise.train.loop.train``, as each spawned rank runs it, with
+the configuration parsed from the same flags), and the run stopped at step 3
+is also the one started with ``--resume`` in a directory that did not exist
+yet: one launch of 4 ranks instead of three launches."""
 
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.testing import multi_rank
+from shardwise.testing import multi_rank, run_on_ranks
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 # 12 sequences a step: they split over 2, 3 and 4 ranks alike
@@ -39,13 +45,31 @@ def _losses(path: Path) -> dict[int, float]:
     return {int(r["step"]): r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
+def _uninterrupted(metrics: str) -> None:
+    """On every rank of the pool: `shardwise train` with RUN's flags, --nproc 4 and --metrics, as the
+    command's spawned ranks run it (its loop, configuration and checks), without stopping."""
+    import argparse
+
+    from shardwise.train.config import add_flags, config_from_flags
+    from shardwise.train.launch import World, preflight
+    from shardwise.train.loop import train
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    cfg = config_from_flags(parser.parse_args([*RUN, "--nproc", "4", "--metrics", metrics]))
+    train(preflight(cfg, World(4, False, local_size=4)), dist.get_rank(), torch.device("cpu"))
+    dist.barrier()
+
+
 @pytest.fixture(scope="module")
 def stopped_at_4(tmp_path_factory):
-    """An uninterrupted 4-rank run, and one stopped at step 3 with a background checkpoint."""
+    """An uninterrupted 4-rank run, and one stopped at step 3 with a background checkpoint (started with
+    --resume in a directory that does not exist yet)."""
     tmp = tmp_path_factory.mktemp("anywhere")
-    _train("--nproc", "4", "--metrics", str(tmp / "straight.jsonl"))
-    out = _train("--nproc", "4", "--stop-at", "3", "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-async",
-                 "--metrics", str(tmp / "stopped.jsonl"))
+    run_on_ranks(_uninterrupted, 4, metrics=str(tmp / "straight.jsonl"))
+    out = _train("--nproc", "4", "--stop-at", "3", "--resume", "--checkpoint-dir", str(tmp / "ck"),
+                 "--checkpoint-async", "--metrics", str(tmp / "stopped.jsonl"))
+    (tmp / "stopped.out").write_text(out)
     assert "stopped at step 3" in out
     return tmp
 
@@ -73,11 +97,14 @@ def test_resume_on_another_number_of_ranks_repeats_the_losses(stopped_at_4, npro
     assert extra["data_world"] == 4 and extra["world_size"] == nproc and extra["step"] == 6
 
 
-def test_resume_with_an_empty_directory_starts_afresh(tmp_path):
-    out = _train("--nproc", "2", "--steps", "2", "--warmup-steps", "1", "--resume", "--checkpoint-dir",
-                 str(tmp_path / "new"), "--checkpoint-every", "2")
+def test_resume_with_an_empty_directory_starts_afresh(stopped_at_4):
+    tmp = stopped_at_4  # its stopped run was started with --resume and a directory that did not exist
+    out = (tmp / "stopped.out").read_text()
     assert "--resume: no checkpoint in" in out and "starting from step 0" in out
-    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["step-00000002"]
+    assert sorted(p.name for p in (tmp / "ck").iterdir()) == ["step-00000003"]
+    # from step 0, as the uninterrupted run (4 ranks both: the same numbers)
+    straight = _losses(tmp / "straight.jsonl")
+    assert _losses(tmp / "stopped.jsonl") == {step: straight[step] for step in (1, 2, 3)}
 
 
 def _preflight(tmp_path, checkpoint_dir, **changes):
