@@ -417,7 +417,9 @@ def _patched_environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _start_context() -> multiprocessing.context.BaseContext:
+def _start_context() -> (
+    multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext
+):
     """The fork server's context, whose server (started with the first worker)
     has imported the worker's module, torch included; ``spawn`` without one."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
