@@ -1,10 +1,10 @@
 """A `shardwise train` run on 2 local gloo ranks whose rank fails or hangs
 ends with one message that says which rank, how, where every rank was and
 how to continue: a SIGKILLed rank (one line), a SIGSTOPped rank (the
-watchdog, within three timeouts: 15 s at --watchdog-timeout 5), a rank
-blocked outside any collective (its Python stack), a rank that raises (its
-traceback, once); a healthy run that is slow (a slow first step, a long save
-on one rank, a slow step everywhere, the whole job paused) never fires.
+watchdog, within 45 s at --watchdog-timeout 15), a rank blocked outside any
+collective (its Python stack), a rank that raises (its traceback, once); a
+healthy run that is slow (a slow first step, a long save on one rank, a slow
+step everywhere, the whole job paused) never fires.
 
 Faults come from tests/dist/faults/sitecustomize.py, which each rank imports
 at start-up; the tests signal only the processes they started (the launcher
@@ -135,20 +135,20 @@ def test_a_killed_rank_ends_the_run_with_one_line(runs, tmp_path):
     print(f"SIGKILL -> exit: {took:.1f} s")
 
 
-def test_a_stopped_rank_is_named_by_the_watchdog_within_three_timeouts(runs):
-    run = runs("--steps", "100000", "--watchdog-timeout", "5")
+def test_a_stopped_rank_is_named_by_the_watchdog_within_45_s(runs):
+    run = runs("--steps", "100000", "--watchdog-timeout", "15")
     run.wait_for_step(3)
     stuck = run.pid(1)
     os.kill(stuck, signal.SIGSTOP)
     code, out, err, took = run.finish(60)
     assert code == 124, err
-    assert took < 15, f"{took:.0f} s"
+    assert took < 45, f"{took:.0f} s"
     assert err.startswith("shardwise train: error: watchdog: rank 1 does not run; rank 0 waited "), err
     assert f"rank 1: STUCK, pid {stuck} is stopped (SIGSTOP" in err
     assert "rank 0 (pid " in err and "waiting for " in err  # what rank 0 was waiting on
     assert "every rank was stopped (exit status 124)" in err and "Traceback" not in err
     assert not _alive(stuck) and not _alive(run.pid(0))
-    print(f"SIGSTOP -> exit: {took:.1f} s (timeout 5 s)")
+    print(f"SIGSTOP -> exit: {took:.1f} s (timeout 15 s)")
 
 
 def test_a_rank_blocked_outside_any_collective_shows_its_stack(runs):
@@ -173,13 +173,11 @@ def test_an_exception_in_a_rank_shows_its_traceback_once(runs):
 
 
 def test_a_slow_healthy_run_never_fires(runs, tmp_path):
-    """A first step 6 s slower on one rank (compiling), a 6 s save on one rank, a 6 s step on every rank
-    (a busy machine) and the whole job paused for 4 s during it, all under a 3 s timeout: the run
-    completes. Each stall lasts twice the timeout, so the watchdogs judge it (after 3 s) while it lasts,
-    and the pause is longer than the gap in its own clock (3 s) that a watchdog thread takes for one."""
-    faults = [{"rank": 1, "step": 1, "do": "sleep", "seconds": 6},
-              {"rank": 0, "step": 3, "do": "slow_save", "seconds": 6},
-              {"rank": "all", "step": 5, "do": "sleep", "seconds": 6}]
+    """A first step 8 s slower on one rank (compiling), an 8 s save on one rank, a 10 s step on every rank
+    (a busy machine) and the whole job paused for 8 s, all under a 3 s timeout: the run completes."""
+    faults = [{"rank": 1, "step": 1, "do": "sleep", "seconds": 8},
+              {"rank": 0, "step": 3, "do": "slow_save", "seconds": 8},
+              {"rank": "all", "step": 5, "do": "sleep", "seconds": 10}]
     run = runs("--steps", "8", "--watchdog-timeout", "3", "--checkpoint-every", "3", "--checkpoint-dir",
                str(tmp_path / "ck"), faults=faults)
     run.wait_for_step(5)
@@ -187,7 +185,7 @@ def test_a_slow_healthy_run_never_fires(runs, tmp_path):
     pids = [run.proc.pid, run.pid(0), run.pid(1)]
     for pid in pids:  # Ctrl-Z: the launcher and every rank stop together
         os.kill(pid, signal.SIGSTOP)
-    time.sleep(4)
+    time.sleep(8)
     for pid in pids:
         os.kill(pid, signal.SIGCONT)
     code, out, err, took = run.finish(180)
@@ -200,12 +198,12 @@ def test_a_slow_healthy_run_never_fires(runs, tmp_path):
 def test_under_torchrun_the_error_files_say_what_happened(runs, tmp_path):
     """torchrun's failure summary shows what each rank's error file holds: for a stopped rank the
     watchdog's report; for a killed one, the survivor's line naming it, its step and the checkpoint."""
-    run = runs("--steps", "100000", "--watchdog-timeout", "4", torchrun=True)
+    run = runs("--steps", "100000", "--watchdog-timeout", "6", torchrun=True)
     run.wait_for_step(3)
     stuck = run.pid(1)
     os.kill(stuck, signal.SIGSTOP)
     code, out, err, took = run.finish(60)
-    assert code != 0 and took < 20, err
+    assert code != 0 and took < 30, err
     summary = err[err.index("Root Cause"):]
     assert "exitcode  : 124" in summary and "watchdog: rank 1 does not run" in summary, err
     assert f"rank 1: STUCK, pid {stuck} is stopped" in summary and not _alive(stuck)
