@@ -298,3 +298,31 @@ def test_killed_worker_is_detected():
         run_on_ranks(_kill_self, 1, timeout=60.0)
     assert time.monotonic() - start < 5.0
     assert "---- rank 0 (died) ----\nworker process died (killed by SIGKILL)" in str(info.value)
+
+
+# ----------------------------------------------- process groups of a task
+
+
+def _make_groups(count):
+    groups = [dist.new_group([0, 1]) for _ in range(count)]
+    for group in groups:
+        dist.all_reduce(torch.ones(1), group=group)
+    return len(os.listdir("/proc/self/task"))
+
+
+def _groups_and_threads():
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_map), len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_groups_a_task_made_are_destroyed_after_it():
+    """An idle gloo group keeps threads (its event loop wakes 100 times a
+    second): the groups a task made end with it, on every rank."""
+    before = run_on_ranks(_groups_and_threads, 2)
+    for _ in range(3):
+        during = run_on_ranks(_make_groups, 2, count=5)
+        assert all(d > b[1] for d, b in zip(during, before)), (before, during)
+    assert [groups for groups, _ in before] == [1, 1]  # the default group alone
+    assert run_on_ranks(_groups_and_threads, 2) == before

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import faulthandler
+import gc
 import importlib
 import importlib.util
 import multiprocessing
@@ -105,6 +106,10 @@ def _worker_main(
         conn.send_bytes(pickle.dumps(("startup-error", traceback.format_exc())))
         return
     conn.send_bytes(pickle.dumps(("ready", os.getpid())))
+    # What the imports made lives as long as the process: out of the garbage
+    # collector's sight, so that the pass after a task (_release_process_groups)
+    # looks only at what tasks made.
+    gc.freeze()
 
     while True:
         try:
@@ -138,6 +143,8 @@ def _worker_main(
             except Exception:
                 # A peer is gone; the parent will replace this pool.
                 os._exit(1)
+            # Every rank is past the task: no collective of it runs on another group any more.
+            _release_process_groups()
 
     try:
         dist.destroy_process_group()
@@ -148,6 +155,77 @@ def _worker_main(
         # With coverage measuring, return so it can save its data.
         _flush_stdio()
         os._exit(0)
+
+
+def _release_process_groups() -> None:
+    """Destroy the process groups that tasks left behind (every group but the
+    default one) and what holds on to them, so that their gloo threads end.
+
+    An idle gloo group's transport loop wakes 100 times a second (``epoll_wait``
+    with a 10 ms timeout). Tests create groups (``new_group``, each
+    ``init_device_mesh`` of two or more dimensions) and never destroy them; left
+    alone they add up over a session to some 200 per worker, which then burn a
+    third of a core per idle worker. A background checkpoint save still in
+    flight keeps them until a later task.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d.GroupMember.WORLD
+    groups = [pg for pg in c10d._world.pg_map if pg is not world]
+    if not groups:
+        return
+    background = sys.modules.get("shardwise.checkpoint.background")
+    pending = getattr(background, "_PENDING", None)
+    if pending is not None and not pending.done():
+        return
+    try:
+        _forget_cached_groups(background)
+    except (AttributeError, ImportError):
+        # A cache not where this expects it (another torch): keep the groups
+        # rather than let it hand a destroyed one to a later task.
+        return
+    for pg in groups:
+        try:
+            dist.destroy_process_group(pg)
+        except Exception:
+            pass
+    del groups, pg
+    # The task's models and meshes hold the groups, often in reference cycles.
+    gc.collect()
+
+
+def _forget_cached_groups(background: ModuleType | None) -> None:
+    """Drop what would keep a destroyed group alive or hand it to a later task:
+    shardwise's groups and meshes kept per default group (made anew on the next
+    use, on every rank alike); the engine's module -> state map (a state holds
+    its modules, so the weak keys never let go: every model sharded in the
+    session would stay, with its meshes and groups); DTensor's sharding
+    propagation and redistribution caches, whose answers for a mesh equal to an
+    earlier one hold that mesh (and so the names of its destroyed groups)."""
+    module_state = sys.modules.get("shardwise._engine.module_state")
+    states = getattr(module_state, "_STATES", None)
+    if states is not None:
+        states.clear()
+    mesh = sys.modules.get("shardwise.mesh")
+    if mesh is not None:
+        mesh._SUBGROUPS.clear()
+        mesh._SELF_GROUPS.clear()
+    strategies = sys.modules.get("shardwise.compat.strategies")
+    if strategies is not None:
+        strategies._MESHES.clear()
+        strategies._SINGLETONS.clear()
+    if background is not None:
+        background.__dict__["_GROUP"] = None  # made anew for the default group on next use
+    if "torch.distributed.tensor" in sys.modules:
+        debug = importlib.import_module("torch.distributed.tensor.debug")
+        debug._clear_sharding_prop_cache()
+        sharding_prop = importlib.import_module("torch.distributed.tensor._sharding_prop")
+        sharding_prop.ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+        redistribute = importlib.import_module("torch.distributed.tensor._redistribute")
+        redistribute.clear_redistribute_planner_cache()
+        redistribute._gen_transform_infos.cache_clear()
+        collective_utils = importlib.import_module("torch.distributed.tensor._collective_utils")
+        collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def _flush_stdio() -> None:

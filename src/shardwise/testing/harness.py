@@ -17,7 +17,10 @@ group (backend ``"gloo"``, on 127.0.0.1, through a TCPStore that the parent
 process hosts on a port the operating system picks) and then serves tasks:
 import a module, look up a module-level function, call it with keyword
 arguments, send back its return value. After every task that succeeded the
-ranks meet in ``dist.barrier()`` so that one test cannot bleed into the next.
+ranks meet in ``dist.barrier()`` so that one test cannot bleed into the next,
+and then destroy every process group the task left (all but the default one),
+with shardwise's and DTensor's caches that hold them: an idle gloo group's
+event loop wakes 100 times a second, and a session's tests create hundreds.
 
 When a task fails on any rank the harness waits :data:`GRACE_PERIOD_S` seconds
 for the other ranks; a rank that has not finished by then is presumed hung in
@@ -153,8 +156,10 @@ def run_on_ranks(
     ``dist.get_world_size()`` say where it runs. Before each task a worker
     resets torch to one intra-op thread, grad mode on and float32 as the
     default dtype; it does not seed torch's generators: ``fn`` seeds what it
-    needs. Worker processes are daemonic, so ``fn`` cannot start processes of
-    its own (``DataLoader(num_workers=0)`` only).
+    needs. After it, the ranks destroy every process group ``fn`` created (all
+    but the default group): a group kept in a module global does not reach the
+    next call. Worker processes are daemonic, so ``fn`` cannot start processes
+    of its own (``DataLoader(num_workers=0)`` only).
 
     Args:
         fn: A module-level function (not a lambda, closure or method); for a
