@@ -501,6 +501,30 @@ def test_module_surface():
 
 
 @multi_rank(world_sizes=(2,))
+def test_the_wrapper_root_is_the_engine_root():
+    """One root for both fronts: check_is_root before any forward asks the
+    engine (as PyTorch's lazy init does), and a nested wrapper that ran first
+    makes its parent's forward fail as fully_shard's does."""
+    from shardwise import FullyShardedDataParallel as FSDP
+    from shardwise._engine.module_state import state_of
+
+    torch.manual_seed(0)
+    outer = FSDP(nn.Sequential(FSDP(nn.Linear(3, 3)), nn.Linear(3, 1)))
+    inner = outer.module[0]
+    states = [state_of(w.module) for w in (outer, inner)]
+    assert [s.is_root for s in states] == [None, None]
+    assert outer.check_is_root() and not inner.check_is_root()
+    assert [s.is_root for s in states] == [True, False]
+    outer(torch.randn(2, 3)).sum().backward()
+
+    outer = FSDP(nn.Sequential(FSDP(nn.Linear(3, 3)), nn.Linear(3, 1)))
+    outer.module[0](torch.randn(2, 3))  # the nested wrapper runs on its own first
+    assert outer.module[0].check_is_root() and state_of(outer.module[0].module).is_root
+    with pytest.raises(RuntimeError, match="running forward through the root module first"):
+        outer(torch.randn(2, 3))
+
+
+@multi_rank(world_sizes=(2,))
 def test_bad_input_is_a_clear_error():
     import torch.distributed as dist
 

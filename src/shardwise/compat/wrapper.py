@@ -275,7 +275,7 @@ class FullyShardedDataParallel(nn.Module):
         self._forward_prefetch = forward_prefetch
         self._limit_all_gathers = limit_all_gathers
         self._use_orig_params = use_orig_params
-        self._is_root: bool | None = None
+        self._buffers_cast = False
         # Own buffers' dtypes before MixedPrecision.buffer_dtype (name -> dtype).
         self._buffer_dtypes: dict[str, torch.dtype] = {}
         self._comm_hook: Callable[..., Any] | None = None
@@ -449,16 +449,26 @@ class FullyShardedDataParallel(nn.Module):
             yield clean_name(name), b
 
     # ---- forward ---------------------------------------------------------------------
+    @property
+    def _is_root(self) -> bool | None:
+        """The engine's answer: whether this wrapper's module state is the root
+        (``None`` until the first forward, or :meth:`check_is_root`, decides)."""
+        state = state_of(self._fsdp_wrapped_module)
+        return state.is_root if state is not None else None
+
     def _lazy_init(self) -> None:
-        """At the first forward: the outermost wrapper becomes the root, and every
-        wrapper's own buffers are cast to its ``buffer_dtype``."""
-        if self._is_root is not None:
+        """At the first forward: the engine makes the outermost wrapper's state
+        the root (one root for both fronts), and every wrapper under it casts its
+        own buffers to its ``buffer_dtype``."""
+        if self._buffers_cast:
             return
-        self._is_root = True
+        state = state_of(self._fsdp_wrapped_module)
+        if state is not None:
+            state.lazy_init()
         for w in _wrappers_under(self):
-            if w is not self:
-                w._is_root = False
-            w._cast_buffers()
+            if not w._buffers_cast:
+                w._cast_buffers()
+                w._buffers_cast = True
 
     def _cast_buffers(self) -> None:
         mp = self._mixed_precision
