@@ -378,3 +378,49 @@ def test_readme_async_example_runs_and_resumes_under_torchrun(tmp_path):
         # both ranks say so (their lines may interleave)
         assert proc.stdout.count(f"committed {tmp_path / 'runs' / 'async' / committed}") == 2, proc.stdout
     assert sorted(p.name for p in (tmp_path / "runs" / "async").iterdir()) == ["step-00000070", "step-00000080"]
+
+
+# ---- the process groups of background saves --------------------------------------------
+REINIT = r"""
+import gc, sys, weakref
+import torch, torch.distributed as dist
+from shardwise import checkpoint, fully_shard
+from shardwise.checkpoint import background
+from shardwise.testing._worker import _forget_cached_groups
+
+root, store = sys.argv[1], sys.argv[2]
+committed = []
+for run in (1, 2):
+    dist.init_process_group("gloo", init_method=f"file://{store}{run}", rank=0, world_size=1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(model)
+    model(torch.randn(2, 4)).sum().backward()
+    committed.append(checkpoint.save(root, model, step=run, async_mode=True).wait().name)
+    world, group = weakref.ref(dist.group.WORLD), weakref.ref(background._GROUP)
+    del model
+    dist.destroy_process_group()
+    # DTensor's sharding caches hold the model's mesh and so the default group
+    # (PyTorch's, as under its own fully_shard); without them, nothing of
+    # shardwise's keeps the default group (and its gloo threads) alive
+    _forget_cached_groups(None)
+    gc.collect()
+    assert world() is None, "the default group outlived destroy_process_group()"
+    # the checkpoint group is only unregistered: dropped at exit (before the
+    # interpreter finalises) or remade for the next default group
+    assert group() is not None and group() not in dist.distributed_c10d._world.pg_map
+    if run == 2:
+        assert group() is not first_group, "a new default group got the destroyed checkpoint group"
+    first_group = group()
+print(" ".join(committed))
+"""
+
+
+def test_background_saves_keep_no_destroyed_process_group(tmp_path):
+    """After destroy_process_group() nothing of ours keeps the default group;
+    initialised again, the next async save makes a new checkpoint group; at
+    exit the destroyed one is dropped before the interpreter finalises."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", REINIT, str(tmp_path / "ck"), str(tmp_path / "store")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.split() == ["step-00000001", "step-00000002"]

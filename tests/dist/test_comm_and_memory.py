@@ -241,6 +241,37 @@ def test_original_full_parameters_are_released():
     assert held == sum(p.numel() for p in model.parameters()) // 2
 
 
+@pytest.mark.parametrize("front", ["fully_shard", "wrapper"])
+@multi_rank(world_sizes=(2,))
+def test_a_dropped_model_is_freed(front):
+    """Dropping a sharded, trained model frees it: its parameters, states,
+    groups and optimizer state (nothing of the engine's keeps it alive)."""
+    import gc
+    import weakref
+
+    from shardwise import FullyShardedDataParallel, fully_shard
+    from shardwise._engine.module_state import state_of
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    if front == "fully_shard":
+        fully_shard(model[0])
+        fully_shard(model)
+    else:
+        model[0] = FullyShardedDataParallel(model[0])
+        model = FullyShardedDataParallel(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(2, 64)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    states = [state_of(m) for m in model.modules() if state_of(m) is not None]
+    assert len(states) == 2
+    refs = [weakref.ref(o) for o in (model, *model.parameters(), *states, *(s.group for s in states))]
+    del model, optim, states
+    gc.collect()
+    assert [r() for r in refs if r() is not None] == []
+
+
 @multi_rank(world_sizes=(2,))
 def test_unsharded_params_share_one_buffer_freed_at_once():
     """A group's unsharded parameters live in one storage (allocated and freed

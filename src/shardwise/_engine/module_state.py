@@ -31,8 +31,11 @@ from .trace import trace
 from .trees import cast_floats, map_tensors
 
 
-# module -> its state; weak so that dropping a model frees everything.
-_STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
+# module -> its state. Weak both ways, so that dropping a model frees it, its
+# state, groups and process groups: a state holds its modules, so a strong
+# value would keep its own weak key alive forever. The module keeps its state
+# alive through the hooks the state registered on it.
+_STATES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ModuleState]] = weakref.WeakKeyDictionary()
 
 
 class dynamo_disable:  # noqa: N801 - used as a decorator
@@ -70,7 +73,8 @@ class dynamo_disable:  # noqa: N801 - used as a decorator
 
 
 def state_of(module: nn.Module) -> ModuleState | None:
-    return _STATES.get(module)
+    ref = _STATES.get(module)
+    return ref() if ref is not None else None
 
 
 class _PostBackward(torch.autograd.Function):
@@ -135,7 +139,7 @@ class ModuleState:
         self._modules_to_run: set[int] = set()
         self._hook_handles = []
         for module in modules:
-            _STATES[module] = self
+            _STATES[module] = weakref.ref(self)
             self._hook_handles.append(
                 module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             )
@@ -171,7 +175,7 @@ class ModuleState:
         seen: set[int] = set()
         for module in self.modules:
             for name, sub in module.named_modules():
-                state = _STATES.get(sub)
+                state = state_of(sub)
                 if state is None or id(state) in seen:
                     continue
                 seen.add(id(state))
@@ -335,7 +339,7 @@ def states_under(module: nn.Module) -> list[ModuleState]:
     out: list[ModuleState] = []
     seen: set[int] = set()
     for sub in module.modules():
-        state = _STATES.get(sub)
+        state = state_of(sub)
         if state is not None and id(state) not in seen:
             seen.add(id(state))
             out.append(state)

@@ -34,7 +34,9 @@ checkpoints it would load are intact).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import gc
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -48,9 +50,9 @@ __all__ = ["AsyncSave", "checkpoint_group", "start", "wait_pending"]
 
 log = logging.getLogger("shardwise.checkpoint")
 
-# (the default group it was made for, the checkpoint group): remade when the
-# default group changes (destroyed and initialised again)
-_GROUP: tuple[ProcessGroup, ProcessGroup] | None = None
+# the checkpoint group: remade when it is no longer registered (the user's
+# destroy_process_group() destroyed it with the default group)
+_GROUP: ProcessGroup | None = None
 # the save in flight in this process, if any
 _PENDING: AsyncSave | None = None
 
@@ -105,19 +107,42 @@ class AsyncSave:
 
 def checkpoint_group() -> ProcessGroup | None:
     """The process group of background saves (``None`` without a default
-    group). Collective the first time: call on every rank."""
+    group). Collective the first time: call on every rank.
+
+    Only the checkpoint group itself is kept, never the default group: a
+    reference to the default group would keep its gloo threads alive past the
+    user's ``destroy_process_group()``. Nor is a destroyed checkpoint group
+    kept until the interpreter finalises (see :func:`_forget_group`).
+    """
     global _GROUP
     if not is_distributed():
         return None
-    world = dist.group.WORLD
-    if world is None:  # pragma: no cover - is_distributed() said there is one
-        return None
-    if _GROUP is None or _GROUP[0] is not world:
+    if _GROUP is not None and _GROUP not in dist.distributed_c10d._world.pg_map:
+        _GROUP = None  # destroyed with the default group; a new default group gets a new one
+    if _GROUP is None:
         group = dist.new_group(backend="gloo")
         if group is None:  # pragma: no cover - every rank is a member
             raise AssertionError(f"rank {dist.get_rank()}: new_group returned None for the whole world")
-        _GROUP = (world, group)
-    return _GROUP[1]
+        _GROUP = group
+    return _GROUP
+
+
+@atexit.register
+def _forget_group() -> None:
+    """At exit, before the interpreter finalises: drop the checkpoint group.
+
+    If the user destroyed the process groups, ours was only unregistered and
+    this reference was the last one; dropping it here destroys it while other
+    threads may still take the GIL. Left to finalisation, its gloo worker
+    threads could still be releasing the last collective's tensors, which
+    needs the GIL, and a thread that asks for the GIL while the interpreter
+    finalises is ended in the middle of C++ code: the process aborts
+    ("terminate called without an active exception") after the run finished.
+    """
+    global _GROUP
+    if _GROUP is not None:
+        _GROUP = None
+        gc.collect()
 
 
 def start(path: Path, finish: Callable[[], None]) -> AsyncSave:

@@ -197,15 +197,9 @@ def _release_process_groups() -> None:
 def _forget_cached_groups(background: ModuleType | None) -> None:
     """Drop what would keep a destroyed group alive or hand it to a later task:
     shardwise's groups and meshes kept per default group (made anew on the next
-    use, on every rank alike); the engine's module -> state map (a state holds
-    its modules, so the weak keys never let go: every model sharded in the
-    session would stay, with its meshes and groups); DTensor's sharding
+    use, on every rank alike); DTensor's sharding
     propagation and redistribution caches, whose answers for a mesh equal to an
     earlier one hold that mesh (and so the names of its destroyed groups)."""
-    module_state = sys.modules.get("shardwise._engine.module_state")
-    states = getattr(module_state, "_STATES", None)
-    if states is not None:
-        states.clear()
     mesh = sys.modules.get("shardwise.mesh")
     if mesh is not None:
         mesh._SUBGROUPS.clear()
@@ -215,7 +209,7 @@ def _forget_cached_groups(background: ModuleType | None) -> None:
         strategies._MESHES.clear()
         strategies._SINGLETONS.clear()
     if background is not None:
-        background.__dict__["_GROUP"] = None  # made anew for the default group on next use
+        background.__dict__["_GROUP"] = None  # made anew on next use
     if "torch.distributed.tensor" in sys.modules:
         debug = importlib.import_module("torch.distributed.tensor.debug")
         debug._clear_sharding_prop_cache()
