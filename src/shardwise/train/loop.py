@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import time
 from datetime import timedelta
@@ -332,11 +333,17 @@ def run_rank(rank: int, world_size: int, plan: Plan, port: int | None) -> None:
     wd = watchdog.Watchdog(plan.cfg.watchdog_timeout, store=store,
                            on_timeout=_quiet if port is not None else _to_torchrun).start() \
         if plan.cfg.watchdog_timeout else None
+    if port is None:
+        # torchrun SIGTERMs the ranks left when one dies; that may come before this rank's next
+        # collective fails, so SIGTERM is a failure like that one: its error file says whose it follows
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         train(plan, rank, device)
         with watchdog.collective("barrier (end of run)"):
             dist.barrier()  # leave together
     except Exception as exc:  # see [Note: which rank failed first] in shardwise.train.supervise
+        if port is None:  # torchrun's SIGTERM must not cut this rank's error file short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         first = mark_failed(store if store is not None else dist.distributed_c10d._get_default_store(), rank)
         if port is None:  # torchrun: this rank's error file says whose failure this one follows
             cfg = plan.cfg
@@ -354,6 +361,13 @@ def run_rank(rank: int, world_size: int, plan: Plan, port: int | None) -> None:
 
 def _quiet(report: watchdog.WatchdogReport) -> None:
     pass
+
+
+def _terminated(signum: int, frame: object) -> None:
+    # once: the rank now writes whose failure this follows and exits (torchrun SIGKILLs it after
+    # its grace period if it does not)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise RuntimeError("stopped by SIGTERM (torchrun stops the other ranks when one fails)")
 
 
 def _to_torchrun(report: watchdog.WatchdogReport) -> None:
