@@ -402,7 +402,7 @@ for run in (1, 2):
     # DTensor's sharding caches hold the model's mesh and so the default group
     # (PyTorch's, as under its own fully_shard); without them, nothing of
     # shardwise's keeps the default group (and its gloo threads) alive
-    _forget_cached_groups(None)
+    _forget_cached_groups()
     gc.collect()
     assert world() is None, "the default group outlived destroy_process_group()"
     # the checkpoint group is only unregistered: dropped at exit (before the

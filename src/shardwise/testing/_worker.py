@@ -179,7 +179,7 @@ def _release_process_groups() -> None:
     if pending is not None and not pending.done():
         return
     try:
-        _forget_cached_groups(background)
+        _forget_cached_groups()
     except (AttributeError, ImportError):
         # A cache not where this expects it (another torch): keep the groups
         # rather than let it hand a destroyed one to a later task.
@@ -194,12 +194,13 @@ def _release_process_groups() -> None:
     gc.collect()
 
 
-def _forget_cached_groups(background: ModuleType | None) -> None:
+def _forget_cached_groups() -> None:
     """Drop what would keep a destroyed group alive or hand it to a later task:
     shardwise's groups and meshes kept per default group (made anew on the next
-    use, on every rank alike); DTensor's sharding
-    propagation and redistribution caches, whose answers for a mesh equal to an
-    earlier one hold that mesh (and so the names of its destroyed groups)."""
+    use, on every rank alike); DTensor's sharding propagation and redistribution
+    caches, whose answers for a mesh equal to an earlier one hold that mesh (and
+    so the names of its destroyed groups). (A background save's group needs
+    nothing: it is remade once unregistered.)"""
     mesh = sys.modules.get("shardwise.mesh")
     if mesh is not None:
         mesh._SUBGROUPS.clear()
@@ -208,8 +209,6 @@ def _forget_cached_groups(background: ModuleType | None) -> None:
     if strategies is not None:
         strategies._MESHES.clear()
         strategies._SINGLETONS.clear()
-    if background is not None:
-        background.__dict__["_GROUP"] = None  # made anew on next use
     if "torch.distributed.tensor" in sys.modules:
         debug = importlib.import_module("torch.distributed.tensor.debug")
         debug._clear_sharding_prop_cache()
