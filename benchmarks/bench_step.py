@@ -26,7 +26,7 @@ all-gathers per step (counted at ``all_gather_single``), for the FSDP configs.
 
 Each config runs in its own freshly spawned set of rank processes, one config after another,
 so a process's peak RSS belongs to that config alone.  Per rank we measure the median step
-time (zero_grad + forward + backward + AdamW step) over ``--steps`` steps after ``--warmup``
+time (zero_grad + forward + backward + AdamW step, ``foreach`` per ``--foreach``) over ``--steps`` steps after ``--warmup``
 steps, the peak resident set size (``ru_maxrss``) and the model-state bytes this rank holds:
 parameters + gradients + optimizer state (for DTensors only the local shard counts).
 The table shows, per config, the worst rank's value, as the median over ``--repeats`` runs
@@ -78,6 +78,11 @@ CONFIGS = ("shardwise", "torch_fsdp", "torch_fsdp1", "ddp", "local", "shardwise_
 # Not in the default set (compiling takes a minute per config): ask for them by name.
 EXTRA_CONFIGS = ("shardwise_compiled", "torch_compiled", "shardwise_fsdp1", "shardwise_gloo_collectives")
 BASELINE = "torch_fsdp"
+# ``--foreach``: AdamW's implementation, the same for every config. "on" is what AdamW picks
+# by itself on CUDA for DTensor and plain parameters alike; on CPU its default ("default"
+# here) is the per-parameter loop, which for DTensors pays DTensor's dispatch ~10 times per
+# parameter per step ([Note: the benchmark's optimizer] in docs/decisions.md).
+FOREACH = {"on": True, "off": False, "default": None}
 MIB = 2**20
 
 
@@ -229,7 +234,7 @@ def _measure(rank: int, config: str, args: argparse.Namespace, port: int) -> dic
     if hasattr(dist, "all_gather_single"):
         count_all_gather_bytes()
     model = wrap(config, model, args, args.nproc)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=FOREACH[args.foreach])
     batches = [
         synthetic_batch(cfg, args.batch_size, seed=i, rank=rank)
         for i in range(args.warmup + args.steps)
@@ -316,6 +321,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="runs of the whole set; median reported")
     p.add_argument("--mp", choices=("none", "bf16"), default="none",
                    help="bf16: param_dtype=bf16, reduce_dtype=fp32 for both FSDP implementations")
+    p.add_argument("--foreach", choices=tuple(FOREACH), default="on",
+                   help="AdamW's foreach= for every config: on (CUDA's default), off, or "
+                        "default (torch's choice: off on CPU)")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -341,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"GPT dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads} seq={cfg.seq_len} "
         f"vocab={cfg.vocab_size}; batch {args.batch_size}/rank; {args.nproc} ranks (gloo, CPU, "
-        f"1 thread each); mp={args.mp}; {args.warmup} warmup + {args.steps} timed steps; "
+        f"1 thread each); mp={args.mp}; AdamW foreach={args.foreach}; {args.warmup} warmup + {args.steps} timed steps; "
         f"{args.repeats} repeat(s); torch {torch.__version__}",
         flush=True,
     )
