@@ -863,3 +863,41 @@ def test_list_root_forward():
         fs([m.a, m.b])
         got[name] = _raises(RuntimeError, lambda: m.a(_x(0)))
     assert got["torch"] == got["shardwise"], got
+
+
+# Optimizer in backward: each sharded parameter's post-accumulate-grad hook
+# steps and clears it as soon as its reduced gradient is in place. The
+# sharded parameters are not in autograd's graph, so FSDP calls the hooks;
+# none fire in a backward that does not reduce (gradient sync off).
+@multi_rank(world_sizes=(2,))
+def test_post_accumulate_grad_hooks_run_optimizer_in_backward_like_torch():
+    a, b = _both()
+    fired = {}
+    for name, m in (("sw", a), ("pt", b)):
+        fired[name] = []
+        opts = {p: torch.optim.AdamW([p], lr=1e-2) for p in m.parameters()}
+
+        def step(p, opts=opts, log=fired[name]):
+            log.append(p)
+            opts[p].step()
+            opts[p].zero_grad()
+
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(step)
+    names = {p: n for n, p in a.named_parameters()}
+    for i in range(3):
+        for m in (a, b):
+            m(_x(i)).sum().backward()
+        assert len(fired["sw"]) == len(fired["pt"]) == len(names), i
+        fired["sw"].clear(), fired["pt"].clear()
+        _assert_params_equal(a, b)
+        assert all(p.grad is None for p in a.parameters()) and all(p.grad is None for p in b.parameters())
+    for m in (a, b):  # accumulate without reducing: no hook, then one synced backward steps once
+        m.set_requires_gradient_sync(False)
+        m(_x(3)).sum().backward()
+        m.set_requires_gradient_sync(True)
+    assert fired == {"sw": [], "pt": []}
+    for m in (a, b):
+        m(_x(4)).sum().backward()
+    assert sorted(names[p] for p in fired["sw"]) == sorted(names.values()) and len(fired["pt"]) == len(names)
+    _assert_params_equal(a, b)

@@ -719,8 +719,8 @@ class ParamGroup:
         offs = pr.result.flat.offsets
         for p, a, b in zip(pr.params, offs, offs[1:]):
             shard = out[a:b].view(p.layout.padded_shape).narrow(p.shard_dim, 0, p.layout.local_rows)
-            if host is not None and p.sharded_param.grad is not None:
-                self.wait_for_offloaded_grads()  # accumulating reads the host copy now
+            if host is not None and (p.sharded_param.grad is not None or p.has_post_accumulate_grad_hooks):
+                self.wait_for_offloaded_grads()  # accumulating or a hook reads the host copy now
             p.shard_grad(shard if alias else shard.clone(), dtype=grad_dtype)
         return True
 

@@ -465,13 +465,28 @@ class ShardedParam:
         if existing is not None:
             local = existing._local_tensor if isinstance(existing, DTensor) else existing
             local.add_(grad_shard)
-            return
-        with torch.no_grad():
-            grad = self._as_dtensor(grad_shard)
-            if grad.dtype == self.sharded_param.dtype:
-                self.sharded_param.grad = grad
-            else:
-                # `.grad =` refuses another dtype; `.grad.data =` allows it
-                # (what FSDP1's keep_low_precision_grads does too).
-                self.sharded_param.grad = torch.zeros_like(self.sharded_param)
-                self.sharded_param.grad.data = grad
+        else:
+            with torch.no_grad():
+                grad = self._as_dtensor(grad_shard)
+                if grad.dtype == self.sharded_param.dtype:
+                    self.sharded_param.grad = grad
+                else:
+                    # `.grad =` refuses another dtype; `.grad.data =` allows it
+                    # (what FSDP1's keep_low_precision_grads does too).
+                    self.sharded_param.grad = torch.zeros_like(self.sharded_param)
+                    self.sharded_param.grad.data = grad
+        self.run_post_accumulate_grad_hooks()
+
+    def run_post_accumulate_grad_hooks(self) -> None:
+        """Call the sharded parameter's post-accumulate-grad hooks, as autograd
+        would had it accumulated the gradient itself: the sharded parameter is
+        not in the graph (its unsharded form is), so this is the only place its
+        gradient is ever accumulated. PyTorch's fully_shard calls them here too
+        (optimizer-in-backward steps each parameter from such a hook)."""
+        if self.has_post_accumulate_grad_hooks and not torch._dynamo.compiled_autograd.in_compiled_autograd_region:
+            for hook in tuple(self.sharded_param._post_accumulate_grad_hooks.values()):
+                hook(self.sharded_param)
+
+    @property
+    def has_post_accumulate_grad_hooks(self) -> bool:
+        return bool(getattr(self.sharded_param, "_post_accumulate_grad_hooks", None))
