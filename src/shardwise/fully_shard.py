@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from shardwise._engine.module_state import ModuleState, state_of, states_under
-from shardwise._engine.param_group import ParamGroup
+from shardwise._engine.param_group import ParamGroup, TrainingState
 from shardwise._engine.setup import shard_modules
 from shardwise.comm import AllGather, ReduceScatter
 from shardwise.errors import AlreadyShardedError, ConfigError, ConfigTypeError
@@ -332,16 +332,28 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not isinstance(module, FSDPModule):
         return
     if not hasattr(module, method_name):
-        raise ConfigError(f"{type(module).__name__} has no method {method_name!r}.")
+        raise ConfigError(
+            f"{type(module)} does not have a method {method_name}: register_fsdp_forward_method's "
+            f"method_name={method_name!r} must name a method of the module."
+        )
     orig = getattr(module, method_name)
 
     @functools.wraps(orig)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        state = module._get_fsdp_state()
+    def wrapped(self: FSDPModule, *args: Any, **kwargs: Any) -> Any:
+        state = self._get_fsdp_state()
         args, kwargs = state.pre_forward(args, kwargs)
-        return state.post_forward(orig(*args, **kwargs))
+        out = orig(*args, **kwargs)
+        # A method that runs the module's own forward inside (generate) has
+        # ended that forward already: as under PyTorch, this second
+        # post-forward then reshards fully, the root's groups included.
+        ended = [g for g in state.groups if g.training_state == TrainingState.IDLE]
+        out = state.post_forward(out)
+        for group in ended:
+            group.reshard()
+        return out
 
-    setattr(module, method_name, wrapped)
+    # bound, as PyTorch binds it (inspect.ismethod, __self__)
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
 
 
 @contextlib.contextmanager

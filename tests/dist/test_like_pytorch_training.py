@@ -8,6 +8,7 @@ test_like_pytorch_api.py)."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -565,6 +566,9 @@ class GenNet(Net):
     def generate(self, x):
         return self.out(self.inp(x)) * 2
 
+    def sample(self, x):  # runs the module's own forward inside, as generate() does
+        return self(x) + 1
+
 
 @multi_rank(world_sizes=(2,))
 def test_register_fsdp_forward_method_matches_torch():
@@ -583,8 +587,32 @@ def test_register_fsdp_forward_method_matches_torch():
     assert _param_types(a) == _param_types(b)
     got = {}
     for name, reg, m in (("torch", pt_reg, b), ("shardwise", sw_reg, a)):
-        got[name] = _raises(ValueError, lambda: reg(m, "nope"))
-    assert got["torch"] == got["shardwise"]
+        got[name] = _raises(ValueError, lambda: reg(m, "nope"), match=f"{type(m)} does not have a method nope")
+    assert got["torch"] == got["shardwise"] == "ValueError"
+    assert inspect.ismethod(a.generate) and a.generate.__self__ is a and inspect.ismethod(b.generate)
+
+
+# A registered method that calls the module's forward ends with every group
+# resharded, the root's too (its inner forward ended the groups' forward).
+@multi_rank(world_sizes=(2,))
+def test_registered_method_calling_forward_reshards_like_torch():
+    from torch.distributed.fsdp import register_fsdp_forward_method as pt_reg
+
+    from shardwise import register_fsdp_forward_method as sw_reg
+
+    a, b = _both(GenNet)
+    sw_reg(a, "sample")
+    pt_reg(b, "sample")
+    with torch.no_grad():
+        torch.testing.assert_close(a.sample(_x(0)), b.sample(_x(0)))
+    assert _param_types(a) == _param_types(b) and set(_param_types(a).values()) == {"DTensor"}
+    oa, ob = a.sample(_x(1)), b.sample(_x(1))
+    assert _param_types(a) == _param_types(b)
+    oa.sum().backward()
+    ob.sum().backward()
+    _assert_grads_equal(a, b)
+    assert _param_types(a) == _param_types(b)
+    _step_and_compare(a, b, _x(2))
 
 
 # state_dict right after a forward (root keeps unsharded params) and parameter
