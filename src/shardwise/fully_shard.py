@@ -72,9 +72,12 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters (if any) and register the
-        sharded ones. Nothing happens if already sharded."""
+        sharded ones. Nothing happens if already sharded, also while an
+        ``unshard(async_op=True)`` is still gathering: as with PyTorch, its
+        ``wait()`` (or the next forward) then registers the unsharded ones."""
         for group in self._get_fsdp_state().groups:
-            group.reshard()
+            if not group.gathering:
+                group.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters and register the unsharded ones.
@@ -175,7 +178,8 @@ class FSDPModule:
             group.settings.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Old name of :meth:`set_gradient_divide_factor`."""
+        """Old name of :meth:`set_gradient_divide_factor` (warns, as PyTorch does)."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
@@ -430,7 +434,8 @@ def fully_shard(
             another dim; ``None`` from it means ``Shard(0)``. (Default: ``None``)
         mp_policy: mixed precision. (Default: ``MixedPrecisionPolicy()``: none)
         offload_policy: ``CPUOffloadPolicy()`` keeps shards, gradients and
-            optimizer state on the CPU. (Default: ``OffloadPolicy()``: none)
+            optimizer state on the CPU; ``None`` is ``OffloadPolicy()``, as
+            with PyTorch. (Default: ``OffloadPolicy()``: none)
         ignored_params: parameters left unsharded and unmanaged. Parameters
             that are not ``module``'s have no effect on it (one set may serve
             every call for a model, as with PyTorch); a tensor that is no
@@ -447,6 +452,8 @@ def fully_shard(
     modules = _check_modules(module)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ConfigTypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
+    if offload_policy is None:  # PyTorch takes None as no offloading
+        offload_policy = OffloadPolicy()
     if not isinstance(offload_policy, OffloadPolicy):
         raise ConfigTypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}.")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):

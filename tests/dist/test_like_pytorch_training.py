@@ -929,3 +929,37 @@ def test_post_accumulate_grad_hooks_run_optimizer_in_backward_like_torch():
         m(_x(4)).sum().backward()
     assert sorted(names[p] for p in fired["sw"]) == sorted(names.values()) and len(fired["pt"]) == len(names)
     _assert_params_equal(a, b)
+
+
+# reshard() while an unshard(async_op=True) is still gathering leaves the
+# gather for its wait(), which registers the unsharded parameters; a step
+# then trains as usual.
+@multi_rank(world_sizes=(2,))
+def test_reshard_before_waiting_an_async_unshard_like_torch():
+    a, b = _both()
+    a(_x(0)), b(_x(0))  # lazy init
+    for m in (a, b):
+        m.reshard()
+        handle = m.blocks[0].unshard(async_op=True)
+        m.blocks[0].reshard()
+        handle.wait()
+    assert _param_types(a) == _param_types(b)
+    assert _param_types(a)["blocks.0.lin1.weight"] == "Parameter"
+    _step_and_compare(a, b, _x(1))
+
+
+# offload_policy=None is no offloading, as PyTorch takes it; the old name of
+# set_gradient_divide_factor warns as PyTorch's does.
+@multi_rank(world_sizes=(2,))
+def test_offload_policy_none_and_the_old_divide_factor_name_like_torch():
+    import warnings
+
+    a, b = _both(offload_policy=None)
+    _step_and_compare(a, b, _x(0))
+    got = {}
+    for name, m in (("sw", a), ("pt", b)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m.set_reduce_scatter_divide_factor(2.0)
+        got[name] = [(w.category, str(w.message)) for w in caught]
+    assert got["sw"] == got["pt"] == [(DeprecationWarning, "Use `set_gradient_divide_factor` instead")]

@@ -319,6 +319,11 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self.sharded_state == ShardedState.UNSHARDED
 
+    @property
+    def gathering(self) -> bool:
+        """Sharded, with an all-gather issued and not yet waited for."""
+        return self._in_flight is not None and self.sharded_state == ShardedState.SHARDED
+
     @_outside_functorch
     def unshard(self, async_op: bool = False, full_precision: bool = False) -> None:
         """Issue the all-gather (idempotent: nothing if unsharded or in flight).
