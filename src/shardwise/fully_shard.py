@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -127,6 +128,7 @@ class FSDPModule:
         """
         if not isinstance(reshard_after_forward, bool):
             raise ConfigError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}: "
                 f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}; "
                 "a group size can only be chosen in fully_shard(reshard_after_forward=...)."
             )
@@ -294,9 +296,10 @@ class FSDPModule:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise AssertionError(
-            "a fully_shard-ed module cannot be deep-copied (its shards, hooks and collectives "
-            "are tied to this instance); copy the model before sharding, or save and load its "
-            "state dict."
+            "FSDP does not support deepcopy. Please use state dict for serialization. "
+            "(A fully_shard-ed module cannot be deep-copied: its shards, hooks and collectives "
+            "are tied to this instance; copy the model before sharding, or save and load its "
+            "state dict.)"
         )
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
@@ -357,7 +360,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return out
 
     # bound, as PyTorch binds it (inspect.ismethod, __self__)
-    setattr(module, method_name, wrapped.__get__(module, type(module)))
+    setattr(module, method_name, types.MethodType(wrapped, module))
 
 
 @contextlib.contextmanager
@@ -495,7 +498,8 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
             )
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ConfigError(
-                f"fully_shard does not support containers without forward ({type(m).__name__}); "
+                f"fully_shard does not support containers that do not implement forward: {type(m).__name__} "
+                "(containers without forward); "
                 "apply it to the modules inside, or pass them as a list: fully_shard(list(container))."
             )
     return modules

@@ -228,8 +228,8 @@ def mesh_info(mesh: DeviceMesh, dp_mesh_dims: object = None) -> MeshInfo:
         return _spmd_mesh_info(mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):
         raise ConfigError(
-            f"fully_shard expects a 1-D mesh (shard) or a 2-D mesh (replicate, shard), "
-            f"got a {mesh.ndim}-D mesh {tuple(mesh.shape)}. Slice it to the "
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh (shard) or a "
+            f"2-D mesh (replicate, shard), got a {mesh.ndim}-D mesh {tuple(mesh.shape)}. Slice it to the "
             "data-parallel dimensions, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']."
         )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
@@ -350,7 +350,8 @@ def resolve_reshard_after_forward(value: object, info: MeshInfo) -> bool | int:
         )
     if value < 1 or info.shard_size % value != 0:
         raise ConfigError(
-            f"reshard_after_forward={value} must be a positive factor of the shard "
+            f"If passing reshard_after_forward as an int, it should be a factor of {info.shard_size}, "
+            f"not {value}: reshard_after_forward={value} must be a positive factor of the shard "
             f"group size {info.shard_size} (e.g. 1, 2, ..., {info.shard_size})."
         )
     if value == 1:

@@ -823,3 +823,30 @@ def test_all_gather_extensions_are_called():
         del TwoTensor.fsdp_pre_all_gather
         del TwoTensor.fsdp_post_all_gather
     assert calls["shardwise"] == calls["torch"], calls
+
+
+# Errors PyTorch's own tests match by message: ours start with PyTorch's words
+# (same exception class), then say how to fix the call.
+@multi_rank(world_sizes=(2,))
+def test_error_messages_begin_with_pytorchs_words():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh3 = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("a", "b", "c"))
+    cases = {
+        "3-D mesh": lambda fs: fs(nn.Linear(4, 4), mesh=mesh3),
+        "reshard_after_forward=3": lambda fs: fs(nn.Linear(4, 4), reshard_after_forward=3),
+        "set_reshard_after_forward(2)": lambda fs: fs(nn.Linear(4, 4)).set_reshard_after_forward(2),
+        "deepcopy": lambda fs: copy.deepcopy(fs(nn.Linear(4, 4))),
+        "ModuleList": lambda fs: fs(nn.ModuleList([nn.Linear(2, 2)])),
+    }
+    for what, call in cases.items():
+        got = {}
+        for name, fs in (("pt", _pt()), ("sw", _sw())):
+            try:
+                call(fs)
+            except Exception as e:  # noqa: BLE001
+                got[name] = e
+        pt, sw = got["pt"], got["sw"]
+        assert isinstance(sw, type(pt)), (what, pt, sw)
+        words = str(pt) if what != "ModuleList" else str(pt).split(": ")[0]  # PyTorch adds the repr
+        assert str(sw).startswith(words), (what, str(pt), str(sw))
