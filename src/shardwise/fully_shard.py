@@ -464,7 +464,7 @@ def fully_shard(
             "reshard_after_forward should be a bool, None, or an int giving the group size to "
             f"reshard to after forward, not {reshard_after_forward!r}."
         )
-    shard_modules(
+    state = shard_modules(
         modules,
         mesh=mesh if mesh is not None else default_mesh(),
         reshard_after_forward=reshard_after_forward,
@@ -474,6 +474,7 @@ def fully_shard(
         ignored_params=ignored_params,
         dp_mesh_dims=dp_mesh_dims,
     )
+    state.warn_view_outputs = True  # PyTorch's fully_shard warns, FSDP1 does not
     for m in modules:
         cls = type(m)
         fsdp_cls = _FSDP_CLASSES.get(cls)

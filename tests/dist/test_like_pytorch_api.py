@@ -850,3 +850,37 @@ def test_error_messages_begin_with_pytorchs_words():
         assert isinstance(sw, type(pt)), (what, pt, sw)
         words = str(pt) if what != "ModuleList" else str(pt).split(": ")[0]  # PyTorch adds the repr
         assert str(sw).startswith(words), (what, str(pt), str(sw))
+
+
+# A sharded module returning a view that needs gradients: PyTorch's fully_shard
+# warns (an in-place op on it would drop the pre-backward hook); so do we, with
+# the same words; an output that is no view, or a no-grad forward, is silent.
+class _ViewOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).view(-1)
+
+
+@multi_rank(world_sizes=(2,))
+def test_view_output_warns_like_torch():
+    got = {}
+    for name, fs in (("pt", _pt()), ("sw", _sw())):
+        torch.manual_seed(0)
+        m = fs(_ViewOut())
+        runs = []
+        for grad in (True, False):
+            with warnings.catch_warnings(record=True) as caught, torch.set_grad_enabled(grad):
+                warnings.simplefilter("always")
+                m(_x(0))
+            runs.append([(w.category, str(w.message)) for w in caught if "view tensor" in str(w.message)])
+        plain = fs(nn.Linear(8, 8))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plain(_x(0))
+        runs.append([str(w.message) for w in caught if "view tensor" in str(w.message)])
+        got[name] = runs
+    assert got["sw"] == got["pt"]
+    assert len(got["sw"][0]) == 1 and got["sw"][1:] == [[], []]

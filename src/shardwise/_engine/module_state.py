@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -129,6 +130,9 @@ class ModuleState:
         self.device = device
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None  # decided at the first forward
+        # Warn, as PyTorch's fully_shard does, when an output needing gradients
+        # is a view: an in-place op on it would drop the pre-backward hook.
+        self.warn_view_outputs = False
         # A misuse found by fully_shard that PyTorch reports at the first forward.
         self.deferred_error: str | None = None
         self.ctx: IterationContext[ModuleState] = groups[0].ctx if groups else IterationContext()
@@ -246,11 +250,24 @@ class ModuleState:
                 output = cast_floats(output, self.mp.output_dtype)
             if torch.is_grad_enabled():
                 tensors = _tensors_requiring_grad(output)
+                if self.warn_view_outputs and any(t._base is not None for t in tensors):
+                    self._warn_view_output()
                 if tensors:
                     register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
             if self.is_root:
                 self._root_post_forward()
         return output
+
+    def _warn_view_output(self) -> None:
+        names = ", ".join(type(m).__name__ for m in self.modules) or "?"
+        warnings.warn(
+            f"FSDP2-wrapped module ({names}) returned a view tensor. An in-place op on this view "
+            "(e.g., `x += y`) will silently drop the pre-backward hook and skip the all-gather, which "
+            "can cause backward to fail or produce wrong gradients. Use out-of-place ops "
+            "(`out = out + y`, not `out += y`) or `.clone()` the output before any in-place op.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
         if x.device != self.device:
