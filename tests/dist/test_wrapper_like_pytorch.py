@@ -601,3 +601,32 @@ def test_mixed_precision_casts_tensors_inside_dataclass_inputs():
         outs.append(out)
         assert model.module.seen == (torch.bfloat16, torch.int64, torch.bfloat16, torch.bfloat16), model.module.seen
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+# A forward inside summon_full_params (nested units, FULL_SHARD): as under
+# PyTorch it runs on the whole parameters (same outputs) and the context exits
+# cleanly (it used to fail: the blocks resharded after their forward). Training
+# afterwards equals a model that never summoned. (PyTorch's own training after
+# such a forward moved off that, so the steps are compared with ours.)
+@multi_rank(world_sizes=(2,))
+def test_forward_inside_summon_full_params_like_torch():
+    import torch.distributed as dist
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    from shardwise.wrap import ModuleWrapPolicy
+
+    o, t = _both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), use_orig_params=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7 + dist.get_rank()))
+    outs = []
+    for m in (o, t):
+        with type(m).summon_full_params(m):
+            outs.append(m(x))
+    torch.testing.assert_close(outs[0], outs[1])
+    fresh, _ = _both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), use_orig_params=True)
+    _train_both(o, fresh)
+    weights = []
+    for m in (o, fresh):
+        with type(m).summon_full_params(m):
+            weights.append([p.detach().clone() for p in m.parameters()])
+    for a, b in zip(*weights):
+        torch.testing.assert_close(a, b)

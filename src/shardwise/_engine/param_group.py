@@ -574,7 +574,7 @@ class ParamGroup:
         self.wait_for_unshard()
 
     def post_forward(self) -> None:
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and self.summon_depth == 0:  # a forward inside summon keeps them whole
             if self.subgroup is not None:
                 self._reshard_post_forward()
             else:
