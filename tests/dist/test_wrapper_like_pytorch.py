@@ -630,3 +630,34 @@ def test_forward_inside_summon_full_params_like_torch():
             weights.append([p.detach().clone() for p in m.parameters()])
     for a, b in zip(*weights):
         torch.testing.assert_close(a, b)
+
+
+# Misuse PyTorch's tests match by message: ours starts with PyTorch's words
+# (no_sync() and clip_grad_norm_() on a nested unit); clipping with no
+# gradients warns in PyTorch's words.
+@multi_rank(world_sizes=(2,))
+def test_nested_misuse_and_no_grad_clip_speak_pytorchs_words():
+    import warnings
+
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    from shardwise.wrap import ModuleWrapPolicy
+
+    o, t = _both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), use_orig_params=True)
+    got = {}
+    for name, m in (("sw", o), ("pt", t)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            norm = m.clip_grad_norm_(1.0)  # before any backward: no gradients
+        got[name] = [float(norm)] + [str(w.message) for w in caught if "clip_grad_norm_" in str(w.message)]
+        m(torch.randn(4, 8)).sum().backward()
+        inner = m.blocks[0]
+        for call in (lambda: inner.clip_grad_norm_(1.0), lambda: inner.no_sync().__enter__()):
+            try:
+                call()
+                got[name].append("no error")
+            except RuntimeError as e:
+                got[name].append(str(e))
+    assert got["sw"][:2] == got["pt"][:2] and len(got["pt"]) == 4, got
+    for ours, theirs in zip(got["sw"][2:], got["pt"][2:]):
+        assert ours.startswith(theirs), (ours, theirs)

@@ -498,11 +498,19 @@ class FullyShardedDataParallel(nn.Module):
         self._lazy_init()
         return bool(self._is_root)
 
+    # PyTorch's words for each (its tests match them), then ours.
+    _NOT_ROOT = {
+        "no_sync()": "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` on root "
+        "FSDP module.",
+        "clip_grad_norm_()": "`clip_grad_norm_()` should only be called on the root FSDP instance",
+        "register_comm_hook": "register_comm_hook can only be called on a root instance.",
+    }
+
     def _require_root(self, what: str) -> None:
         if not self.check_is_root():
             raise UsageError(
-                f"{what} must be called on the root FullyShardedDataParallel module (the outermost "
-                "one), not on a nested one."
+                f"{self._NOT_ROOT[what]} ({what} must be called on the root FullyShardedDataParallel module, "
+                "the outermost one, not on a nested one.)"
             )
 
     @staticmethod
@@ -602,8 +610,8 @@ class FullyShardedDataParallel(nn.Module):
             (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device, g.dtype))
         if not grads:
             warnings.warn(
-                f"clip_grad_norm_() on rank {dist.get_rank()} found no gradients; returning the norm "
-                f"in {total.dtype}.",
+                f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank()} with no gradients -- returning "
+                f"the total norm in the default dtype {total.dtype}",
                 stacklevel=2,
             )
             return total
