@@ -661,3 +661,41 @@ def test_nested_misuse_and_no_grad_clip_speak_pytorchs_words():
     assert got["sw"][:2] == got["pt"][:2] and len(got["pt"]) == 4, got
     for ours, theirs in zip(got["sw"][2:], got["pt"][2:]):
         assert ours.startswith(theirs), (ours, theirs)
+
+
+# FSDP1's deprecated entry points warn FutureWarning; drop-in code that runs
+# with -W error::FutureWarning or counts warnings sees the same from ours.
+@multi_rank(world_sizes=(2,))
+def test_deprecated_state_dict_entry_points_warn_like_pytorch():
+    import warnings
+
+    from torch.distributed.fsdp import StateDictType as TorchType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    from shardwise import StateDictType
+    from shardwise.wrap import ModuleWrapPolicy
+
+    o, t = _both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), use_orig_params=True)
+    got = {}
+    for name, m, kind in (("sw", o, StateDictType), ("pt", t, TorchType)):
+        cls = type(m)
+        opt = torch.optim.Adam(m.parameters(), lr=0.1)
+        m(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        calls = [
+            lambda: cls.state_dict_type(m, kind.FULL_STATE_DICT).__enter__(),
+            lambda: cls.set_state_dict_type(m, kind.FULL_STATE_DICT),
+            lambda: cls.full_optim_state_dict(m, opt),
+            lambda: cls.full_optim_state_dict(m, opt, optim_input=list(m.parameters())),
+            lambda: cls.shard_full_optim_state_dict(cls.full_optim_state_dict(m, opt, rank0_only=False), m),
+            lambda: cls.sharded_optim_state_dict(m, opt),
+            lambda: cls.optim_state_dict(m, opt),  # the current API: no warning
+        ]
+        got[name] = []
+        for call in calls:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                call()
+            got[name].append(sorted({(w.category.__name__, str(w.message)) for w in caught if w.category is FutureWarning}))
+    assert got["sw"] == got["pt"], got
+    assert all(got["pt"][:-1]) and not got["pt"][-1]

@@ -25,6 +25,7 @@ shards, ready for ``optim.load_state_dict``.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,29 @@ __all__ = [
 ]
 
 OptimInput = Iterable[nn.Parameter] | Iterable[dict[str, Any]] | None
+
+
+# ---- PyTorch's deprecation warnings, in its words ----------------------------------
+def _warn_legacy(old: str, new: str) -> None:
+    """FSDP1 warns ``FutureWarning`` on its older optimizer-state functions;
+    so do we, pointing at the caller's line."""
+    warnings.warn(
+        f"``FullyShardedDataParallel.{old}``is being deprecated and is replaced by "
+        f"``FullyShardedDataParallel.{new}``. ``FullyShardedDataParallel.{old}`` "
+        "may be removed after PyTorch 2.2.",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+def _warn_optim_input(optim_input: OptimInput) -> None:
+    if optim_input is not None:
+        warnings.warn(
+            "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. "
+            "You may remove it from your code without changing its functionality.",
+            FutureWarning,
+            stacklevel=3,
+        )
 
 
 # ---- parameters and names ----------------------------------------------------------
@@ -206,6 +230,8 @@ def full_optim_state_dict(
         rank0_only: only rank 0 returns the state. (Default: ``True``)
         group: accepted for compatibility. (Default: ``None``)
     """
+    _warn_legacy("full_optim_state_dict", "optim_state_dict")
+    _warn_optim_input(optim_input)
     return _to_named(model, optim, optim.state_dict(), StateDictType.FULL_STATE_DICT, rank0_only, True)
 
 
@@ -220,6 +246,7 @@ def sharded_optim_state_dict(
         optim: its optimizer.
         group: accepted for compatibility. (Default: ``None``)
     """
+    _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
     return _to_named(model, optim, optim.state_dict(), StateDictType.SHARDED_STATE_DICT, False, False)
 
 
@@ -319,6 +346,8 @@ def shard_full_optim_state_dict(
             given. (Default: ``None``: ``model.parameters()``)
         optim: the optimizer that will load it. (Default: ``None``)
     """
+    _warn_legacy("shard_full_optim_state_dict", "optim_state_dict_to_load")
+    _warn_optim_input(optim_input)
     params = _params_of(optim, optim_input, model)
     return _to_loadable(model, params, full_optim_state_dict, StateDictType.FULL_STATE_DICT)
 
@@ -334,6 +363,7 @@ def flatten_sharded_optim_state_dict(
         model: the root module.
         optim: the optimizer that will load it.
     """
+    _warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
     return _to_loadable(model, _params_of(optim, None, model), sharded_optim_state_dict, StateDictType.SHARDED_STATE_DICT)
 
 
@@ -355,6 +385,8 @@ def scatter_full_optim_state_dict(
         optim: the optimizer that will load it. (Default: ``None``)
         group: the group to broadcast over. (Default: ``None``: the world)
     """
+    _warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+    _warn_optim_input(optim_input)
     osd = _broadcast_from_rank0(full_optim_state_dict, group)
     return _to_loadable(model, _params_of(optim, optim_input, model), osd, StateDictType.FULL_STATE_DICT)
 
@@ -378,6 +410,7 @@ def rekey_optim_state_dict(
         optim: the optimizer whose indices are used. (Default: ``None``:
             ``optim_input``, else ``model.parameters()``)
     """
+    _warn_optim_input(optim_input)
     if not isinstance(optim_state_key_type, OptimStateKeyType):
         raise ConfigTypeError(
             f"optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, got {optim_state_key_type!r}."

@@ -729,6 +729,15 @@ class FullyShardedDataParallel(nn.Module):
             state_dict_config: the matching config. (Default: ``None``: its defaults)
             optim_state_dict_config: the matching optimizer config. (Default: ``None``)
         """
+        warnings.warn(
+            "FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated. Please use APIs, "
+            "get_state_dict() and set_state_dict(), which can support different parallelisms, FSDP1, FSDP2, DDP. "
+            "API doc: https://pytorch.org/docs/stable/distributed.checkpoint.html"
+            "#torch.distributed.checkpoint.state_dict.get_state_dict ."
+            "Tutorial: https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html .",
+            FutureWarning,
+            stacklevel=2,
+        )
         return set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
     @staticmethod
@@ -745,11 +754,16 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> Iterator[None]:
         """:meth:`set_state_dict_type` for the duration of the context."""
-        prev = set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        # through the public method, so that PyTorch's FutureWarning is given as FSDP1 gives it
+        prev = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
         try:
             yield
         finally:
-            set_state_dict_type(module, prev.state_dict_type, prev.state_dict_config, prev.optim_state_dict_config)
+            FullyShardedDataParallel.set_state_dict_type(
+                module, prev.state_dict_type, prev.state_dict_config, prev.optim_state_dict_config
+            )
 
     # ---- optimizer state dicts (see optim_state.py) -------------------------------------
     optim_state_dict = staticmethod(optim_state.optim_state_dict)
