@@ -963,3 +963,43 @@ def test_offload_policy_none_and_the_old_divide_factor_name_like_torch():
             m.set_reduce_scatter_divide_factor(2.0)
         got[name] = [(w.category, str(w.message)) for w in caught]
     assert got["sw"] == got["pt"] == [(DeprecationWarning, "Use `set_gradient_divide_factor` instead")]
+
+
+# Modules that override __setattr__ see every parameter swap, as under
+# PyTorch: an LSTM's _flat_weights must follow the registered parameters
+# (sharded at rest, unsharded while it computes), or it keeps the original
+# full weights alive and later holds freed ones.
+@multi_rank(world_sizes=(2,))
+def test_rnn_flat_weights_follow_the_registered_parameters_like_torch():
+    class Rnn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.LSTM(8, 8, num_layers=2, batch_first=True), nn.GRU(8, 8, batch_first=True)])
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x, _ = b(x)
+            return self.head(x)
+
+    def flat_is_registered(m):
+        return [all(w is getattr(b, n) for w, n in zip(b._flat_weights, b._flat_weights_names)) for b in m.blocks]
+
+    a, b = _both(make=Rnn)
+    for m in (a, b):
+        assert flat_is_registered(m) == [True, True]
+        assert all(isinstance(w, DTensor) for w in m.blocks[0]._flat_weights)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (a, b)]
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(2, 5, 8)
+        losses = []
+        for m, opt in zip((a, b), opts):
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            assert flat_is_registered(m) == [True, True]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    _assert_params_equal(a, b)

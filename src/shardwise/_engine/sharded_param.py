@@ -148,6 +148,17 @@ def alloc_storage(t: torch.Tensor) -> None:
             observe.storage_resized(storage, old)
 
 
+def set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Register ``param`` as ``module.<name>``. Straight into ``_parameters``
+    (the hot path: twice per group per step) unless the module's class
+    overrides ``__setattr__``, as RNNs do to keep ``_flat_weights`` in step
+    with their parameters: then through ``setattr``, so it sees each swap."""
+    if type(module).__setattr__ is nn.Module.__setattr__:
+        module._parameters[name] = param
+    else:
+        setattr(module, name, param)
+
+
 class ShardedParam:
     """One managed parameter.
 
@@ -314,13 +325,13 @@ class ShardedParam:
 
     def register_sharded(self) -> None:
         for module, name in self.owners:
-            module._parameters[name] = self.sharded_param
+            set_param(module, name, self.sharded_param)
 
     def register_unsharded(self) -> None:
         if self.unsharded_param is None:
             raise AssertionError(f"{self.fqn}: unsharded parameter was never created")
         for module, name in self.owners:
-            module._parameters[name] = self.unsharded_param
+            set_param(module, name, self.unsharded_param)
 
     # ---- unsharded side -----------------------------------------------------
     def unsharded_local(self) -> torch.Tensor:

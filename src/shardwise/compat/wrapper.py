@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from shardwise._engine.module_state import state_of, states_under
 from shardwise._engine.param_group import ParamGroup, TrainingState, check_trainable_dtypes
 from shardwise._engine.setup import shard_modules
+from shardwise._engine.sharded_param import set_param
 from shardwise._engine.trees import cast_floats
 from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
 from shardwise.fully_shard import summon_full_params as engine_summon
@@ -804,7 +805,7 @@ def _expose(groups: list[ParamGroup], with_grads: bool, offload_to_cpu: bool, wr
                 if offload_to_cpu and full.device.type != "cpu":
                     exposed = nn.Parameter(full.detach().cpu(), requires_grad=full.requires_grad)
                     for owner, attr in sp.owners:
-                        owner._parameters[attr] = exposed
+                        set_param(owner, attr, exposed)
                     swapped.append((sp, exposed))
                 grad = sp.sharded_param.grad
                 if with_grads and grad is not None:
