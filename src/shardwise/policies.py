@@ -21,10 +21,10 @@ def _check_dtype(field: str, value: object) -> None:
             f"MixedPrecisionPolicy.{field} must be a torch.dtype or None, got "
             f"{value!r} ({type(value).__name__}). Pass e.g. torch.bfloat16."
         )
-    if not value.is_floating_point:
+    if not (value.is_floating_point or value.is_complex):
         raise ValueError(
             f"MixedPrecisionPolicy.{field}={value} is not a floating-point dtype; "
-            "parameters and gradients can only be cast to floating-point dtypes. "
+            "parameters and gradients can only be cast to floating-point (or complex) dtypes. "
             "Use torch.bfloat16, torch.float16 or torch.float32."
         )
 

@@ -1003,3 +1003,120 @@ def test_rnn_flat_weights_follow_the_registered_parameters_like_torch():
             assert flat_is_registered(m) == [True, True]
         assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     _assert_params_equal(a, b)
+
+
+# An exception inside backward: with reset_iter_state() (as PyTorch asks)
+# or without it, the next steps' gradients are the unsharded model's, and
+# the failed step leaves nothing behind. (PyTorch's own FSDP2 lets the
+# failed step's root gradients leak into the next step, and without the
+# reset leaves the blocks' gradients unset: not a reference here.)
+@pytest.mark.parametrize("reset", [True, False], ids=["reset_iter_state", "no-reset"])
+@multi_rank(world_sizes=(2,))
+def test_exception_inside_backward_then_training_goes_on_like_unsharded(reset):
+    import warnings
+
+    import torch.distributed as dist
+
+    from shardwise.testing import assert_models_match, replicate_grads
+
+    torch.manual_seed(0)
+    ref = Net()
+    m = copy.deepcopy(ref)
+    for blk in m.blocks:
+        _sw()(blk)
+    _sw()(m)
+    fail = {"on": False}
+
+    def boom(_module, _grad_output):
+        if fail["on"]:
+            fail["on"] = False
+            raise KeyError("boom")
+
+    m.blocks[0].register_full_backward_pre_hook(boom)
+    opt, ref_opt = (torch.optim.SGD(x.parameters(), lr=0.1) for x in (m, ref))
+    for step in range(4):
+        x = _x(step)
+        if step == 1:
+            fail["on"] = True
+            with pytest.raises(KeyError):
+                m(x).square().mean().backward()
+            if reset:
+                m.reset_iter_state()
+            opt.zero_grad()
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m(x).square().mean().backward()
+        recovered = [w for w in caught if "previous backward did not finish" in str(w.message)]
+        assert len(recovered) == (1 if step == 2 and not reset else 0), [str(w.message) for w in caught]
+        ref(x).square().mean().backward()
+        replicate_grads(ref)
+        assert_models_match(m, ref)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    dist.barrier()
+
+
+# Complex parameters reduced in complex128 (PyTorch accepts the policy);
+# sparse gradients are refused with NotImplementedError in both.
+@multi_rank(world_sizes=(2,))
+def test_complex_reduce_dtype_and_sparse_gradients_like_torch():
+    class Cplx(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(6, 4, dtype=torch.complex64))
+
+        def forward(self, x):
+            return x @ self.w
+
+    class CplxNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Cplx()])
+            self.v = nn.Parameter(torch.randn(4, 2, dtype=torch.complex64))
+
+        def forward(self, x):
+            return self.blocks[0](x) @ self.v
+
+    mods = {}
+    for lib, mp in zip(("sw", "pt"), _mp(reduce_dtype=torch.complex128)):
+        fs = _sw() if lib == "sw" else _pt()
+        torch.manual_seed(0)
+        m = CplxNet()
+        fs(m.blocks[0], mp_policy=mp)
+        fs(m, mp_policy=mp)
+        mods[lib] = m
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.05) for k, m in mods.items()}
+    for step in range(3):
+        x = torch.randn(3, 6, dtype=torch.complex64, generator=torch.Generator().manual_seed(step))
+        losses = {}
+        for k, m in mods.items():
+            loss = m(x).abs().square().mean()
+            loss.backward()
+            assert m.v.grad.dtype == torch.complex64
+            opts[k].step()
+            opts[k].zero_grad()
+            losses[k] = loss.item()
+        assert losses["sw"] == pytest.approx(losses["pt"], rel=1e-6)
+    _assert_params_equal(mods["sw"], mods["pt"])
+
+    for lib in ("sw", "pt"):
+        fs = _sw() if lib == "sw" else _pt()
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Embedding(10, 8, sparse=True), nn.Linear(8, 2))
+        fs(m[0])
+        fs(m)
+        with pytest.raises(NotImplementedError):
+            m(torch.randint(0, 10, (3, 4))).sum().backward()
+
+
+# torch.func.functional_call with plain tensors before the first forward:
+# a TypeError naming the parameter (PyTorch: an internal AttributeError).
+@multi_rank(world_sizes=(2,))
+def test_plain_tensor_replacing_a_sharded_parameter_is_a_clear_type_error():
+    from torch.func import functional_call
+
+    a, _ = _both()
+    with pytest.raises(TypeError, match="out.weight is now a Tensor where fully_shard registered"):
+        functional_call(a, {"out.weight": torch.ones(3, 8)}, (_x(0),))

@@ -1,6 +1,7 @@
 """Features of fully_shard newer than the engine: forward-mode AD through a
-sharded module, non-floating parameters, and groups mixing fp32 norms into a
-bf16 model (no param_dtype). Each against an unsharded copy and, where
+sharded module, non-floating parameters, groups mixing fp32 norms into a
+bf16 model (no param_dtype), and parameters PyTorch refuses (non-contiguous,
+channels_last, no rows). Each against an unsharded copy and, where
 PyTorch supports it, PyTorch's fully_shard."""
 
 from __future__ import annotations
@@ -192,3 +193,55 @@ def test_fp32_norms_in_a_bf16_model_train_like_unsharded(world_size, reduce_dtyp
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert {n: p.grad.dtype for n, p in model.named_parameters()} == dtypes
     assert set(dtypes.values()) == {BF16, torch.float32}
+
+
+class OddLayouts(nn.Module):
+    """Parameters PyTorch 2.13's fully_shard refuses: a transposed
+    (non-contiguous) weight, a channels_last conv weight, and a weight with no
+    rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.t = nn.Parameter(torch.randn(5, 64).t())  # shape (64, 5), stride (1, 64)
+        self.empty = nn.Parameter(torch.randn(0, 5))
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x)).flatten(1) @ self.t
+        return self.head(h + self.empty.sum())
+
+
+@pytest.mark.parametrize("when", ["before", "after", "never"], ids=["channels_last-before", "channels_last-after", "contiguous-conv"])
+@multi_rank(world_sizes=(2,))
+def test_non_contiguous_and_empty_parameters_train_like_unsharded(world_size, when):
+    """PyTorch raises NotImplementedError for a non-contiguous parameter (and
+    fails in backward on a parameter with no rows); shardwise shards them as
+    contiguous chunks of the same values and trains like the unsharded model,
+    with channels_last applied before or after sharding."""
+    from shardwise import fully_shard
+    from shardwise.testing.training import parity_train
+
+    def make():
+        m = OddLayouts()
+        assert not m.t.is_contiguous()
+        return m.to(memory_format=torch.channels_last) if when == "before" else m
+
+    models = []
+
+    def shard(model):
+        fully_shard(model.conv)
+        fully_shard(model)
+        if when == "after":
+            model.to(memory_format=torch.channels_last)
+        models.append(model)
+
+    def batch(step, rank):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        return torch.randn(2, 3, 6, 6, generator=g), torch.randn(2, 2, generator=g)
+
+    parity_train(make, shard, batch, F.mse_loss, steps=3)
+    (model,) = models
+    assert isinstance(model.t, DTensor) and model.t.shape == (64, 5) and model.empty.shape == (0, 5)
+    sd = model.state_dict()
+    assert sd["t"].full_tensor().shape == (64, 5)

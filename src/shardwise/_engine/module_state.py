@@ -231,6 +231,8 @@ class ModuleState:
 
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         self.lazy_init()
+        if self.is_root and self.ctx.final_callback_task is not None and torch._C._current_graph_task_id() == -1:
+            self._recover_from_aborted_backward()
         with trace(f"shardwise::pre_forward ({self.name})"):
             if self.is_root and self.device.type != "cpu":
                 args, kwargs = map_tensors(self._to_device, (args, kwargs))
@@ -299,8 +301,9 @@ class ModuleState:
     @dynamo_disable
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
-        if not ctx.final_callback_queued and ctx.root is not None:
-            ctx.final_callback_queued = True
+        task = torch._C._current_graph_task_id()
+        if ctx.final_callback_task != task and ctx.root is not None:
+            ctx.final_callback_task = task
             Variable._execution_engine.queue_callback(ctx.root.finalize_backward)
         if self.groups:
             with trace(f"shardwise::pre_backward ({self.name})"):
@@ -330,7 +333,21 @@ class ModuleState:
                 ctx.pool.clear()  # [Note: reused buffers]: nothing pooled outlives the backward
             finally:
                 ctx.post_forward_order.clear()
-                ctx.final_callback_queued = False
+                ctx.final_callback_task = None
+
+    def _recover_from_aborted_backward(self) -> None:
+        """A new iteration while the last backward never reached its end
+        (it raised): do what ``reset_iter_state()`` does, rather than let
+        that step's unreduced gradients leak into this one or leave this
+        backward without its end-of-backward callback."""
+        warnings.warn(
+            f"{self.name}: the previous backward did not finish (an exception inside it?); "
+            "shardwise reset the iteration state as reset_iter_state() does, dropping that "
+            "step's unreduced gradients. Call reset_iter_state() on the root after catching "
+            "such an exception to make this explicit.",
+            stacklevel=4,
+        )
+        self.reset_iter_state()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward/backward: finish collectives,
@@ -348,7 +365,7 @@ class ModuleState:
         ctx.abandon_pending()
         ctx.post_forward_order.clear()
         ctx.recording = []
-        ctx.final_callback_queued = False
+        ctx.final_callback_task = None
 
 
 def states_under(module: nn.Module) -> list[ModuleState]:

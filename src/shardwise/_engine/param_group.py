@@ -50,7 +50,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 import shardwise.observe as observe
 from shardwise.comm import WorkHandle
-from shardwise.errors import ConfigError, MixedDtypeError
+from shardwise.errors import ConfigError, MixedDtypeError, UnsupportedError
 from shardwise.layout import FlatLayout, ShardLayout
 from shardwise.mesh import MeshInfo, SubgroupInfo
 from shardwise.policies import MixedPrecisionPolicy
@@ -118,7 +118,10 @@ class IterationContext(Generic[S]):
     pending: deque[PendingReduction] = field(default_factory=deque)
     # Reduce-scatters left in flight while backward goes on (the queue's bound).
     max_pending: int = 1
-    final_callback_queued: bool = False
+    # The autograd graph task the root's end-of-backward callback was queued
+    # in (None: none queued). A task id, not a flag: a backward that raised
+    # never runs its callback, and the next backward must queue its own.
+    final_callback_task: int | None = None
     post_optim_event: Any = None
     # Communication buffers shared by the groups under this root.
     pool: coll.BufferPool = field(default_factory=coll.BufferPool)
@@ -627,6 +630,12 @@ class ParamGroup:
                     continue
                 grad = up.grad
                 if grad is not None:
+                    if grad.layout != torch.strided:
+                        raise UnsupportedError(
+                            f"{p.fqn} got a {grad.layout} gradient; fully_shard reduce-scatters dense "
+                            "gradients only (as PyTorch's does). Use nn.Embedding(..., sparse=False), or "
+                            "keep that module out of fully_shard (ignored_params)."
+                        )
                     grad = p.grad_local(grad)
                 if not sync:
                     if grad is not None and rd is not None and grad.dtype != rd:

@@ -18,7 +18,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardwise.observe as observe
-from shardwise.errors import ConfigError, UnsupportedError
+from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError
 from shardwise.layout import ShardLayout
 from shardwise.mesh import MeshInfo, join_meshes
 
@@ -312,8 +312,11 @@ class ShardedParam:
         current = module._parameters.get(name)
         if current is not None and current is not self.unsharded_param:
             if not isinstance(current, DTensor):
-                raise AssertionError(
-                    f"{self.fqn}: expected a DTensor parameter, got {type(current).__name__}"
+                raise ConfigTypeError(
+                    f"{self.fqn} is now a {type(current).__name__} where fully_shard registered a sharded "
+                    "DTensor parameter (replaced by assignment, load_state_dict(assign=True) or "
+                    "torch.func.functional_call before the first forward?). Replace it with a DTensor on the "
+                    "same mesh and placement (distribute_tensor), or copy values in with load_state_dict."
                 )
             self.sharded_param = current
         return local_of(self.sharded_param)
