@@ -231,7 +231,7 @@ class ModuleState:
 
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         self.lazy_init()
-        if self.is_root and self.ctx.final_callback_task is not None and torch._C._current_graph_task_id() == -1:
+        if self.is_root and self.ctx.final_callback_queued and torch._C._current_graph_task_id() == -1:
             self._recover_from_aborted_backward()
         with trace(f"shardwise::pre_forward ({self.name})"):
             if self.is_root and self.device.type != "cpu":
@@ -301,9 +301,8 @@ class ModuleState:
     @dynamo_disable
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
-        task = torch._C._current_graph_task_id()
-        if ctx.final_callback_task != task and ctx.root is not None:
-            ctx.final_callback_task = task
+        if not ctx.final_callback_queued and ctx.root is not None:
+            ctx.final_callback_queued = True
             Variable._execution_engine.queue_callback(ctx.root.finalize_backward)
         if self.groups:
             with trace(f"shardwise::pre_backward ({self.name})"):
@@ -333,7 +332,7 @@ class ModuleState:
                 ctx.pool.clear()  # [Note: reused buffers]: nothing pooled outlives the backward
             finally:
                 ctx.post_forward_order.clear()
-                ctx.final_callback_task = None
+                ctx.final_callback_queued = False
 
     def _recover_from_aborted_backward(self) -> None:
         """A new iteration while the last backward never reached its end
@@ -365,7 +364,7 @@ class ModuleState:
         ctx.abandon_pending()
         ctx.post_forward_order.clear()
         ctx.recording = []
-        ctx.final_callback_task = None
+        ctx.final_callback_queued = False
 
 
 def states_under(module: nn.Module) -> list[ModuleState]:

@@ -118,10 +118,11 @@ class IterationContext(Generic[S]):
     pending: deque[PendingReduction] = field(default_factory=deque)
     # Reduce-scatters left in flight while backward goes on (the queue's bound).
     max_pending: int = 1
-    # The autograd graph task the root's end-of-backward callback was queued
-    # in (None: none queued). A task id, not a flag: a backward that raised
-    # never runs its callback, and the next backward must queue its own.
-    final_callback_task: int | None = None
+    # The root's end-of-backward callback is queued (once per backward, and
+    # not again in a nested backward such as reentrant checkpointing's). A
+    # backward that raised leaves it set: the root's next forward, outside
+    # any backward, sees that and recovers (module_state.pre_forward).
+    final_callback_queued: bool = False
     post_optim_event: Any = None
     # Communication buffers shared by the groups under this root.
     pool: coll.BufferPool = field(default_factory=coll.BufferPool)
