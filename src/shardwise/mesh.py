@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError
+from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
 
 __all__ = [
     "DataParallelMeshDims",
@@ -163,7 +163,7 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: object) -> MeshInfo:
             raise ConfigError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
     both = sorted(set(shard) & set(replicate))
     if both:
-        raise ConfigError(
+        raise UsageError(  # RuntimeError too, as PyTorch's
             f"dp_mesh_dims names {both} as both a shard and a replicate dim; FSDP shards over one "
             "mesh dim and replicates over another: name different dims, e.g. "
             "DataParallelMeshDims(shard='dp_shard', replicate='dp_replicate')."
@@ -195,8 +195,9 @@ def join_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     """The mesh of a sharded tensor-parallel parameter: the data-parallel dims
     followed by the TP dims, both sliced from one root mesh."""
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    # UsageError: a ValueError, and a RuntimeError as PyTorch's mesh concatenation raises
     if dp_names is None or tp_names is None or set(dp_names) & set(tp_names):
-        raise ConfigError(
+        raise UsageError(
             f"a tensor-parallel parameter lives on mesh {tp_mesh} and fully_shard got mesh "
             f"{dp_mesh}: both must be named, disjoint slices of one mesh, e.g. "
             "mesh = init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', 'tp')); TP on "
@@ -210,7 +211,7 @@ def join_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
             root = dp_mesh._get_root_mesh()
             joined = root[(*dp_names, *tp_names)]
     except Exception as exc:
-        raise ConfigError(
+        raise UsageError(
             f"fully_shard's mesh {dp_mesh} and the tensor-parallel mesh {tp_mesh} are not slices "
             f"of one mesh ({exc}). Slice both from the same init_device_mesh(...)."
         ) from exc

@@ -58,7 +58,7 @@ def test_parameter_shared_by_two_groups():
     model = nn.Sequential(emb, head)
     fully_shard(emb)
     fully_shard(model)  # reported at the first forward, as PyTorch does
-    _raises(ValueError, r"shared with another fully_shard group .*fully_shard\(\[module_a, module_b\]\)", model, torch.tensor([[1, 2]]))
+    _raises(ValueError, r"is shared with a parameter already managed by another FSDP group .*fully_shard\(\[module_a, module_b\]\)", model, torch.tensor([[1, 2]]))
     # the documented fix works: both users of the weight in one group
     emb2, head2 = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
     head2.weight = emb2.weight

@@ -400,6 +400,26 @@ def test_load_state_dict_with_full_tensors():
         _assert_params_equal(a, b)
 
 
+# load_state_dict(full plain tensors, assign=True): PyTorch fails inside the
+# load with an internal AttributeError and leaves whole plain parameters
+# registered; ours refuses with a TypeError naming the parameter and keeps
+# the sharded parameters, so training goes on as if the load never happened.
+@multi_rank(world_sizes=(2,))
+def test_assigning_whole_tensors_is_refused_and_the_shards_stay():
+    torch.manual_seed(3)
+    full = {k: v.clone() for k, v in Net().state_dict().items()}
+    a, b = _both()
+    twin, _ = _both()  # shardwise twin of ``a``, never loaded into
+    with pytest.raises(TypeError, match="load_state_dict.assign=True. gave .* where fully_shard keeps a sharded"):
+        a.load_state_dict(dict(full), assign=True)
+    assert all(isinstance(p, DTensor) for p in a.parameters())
+    with pytest.raises(AttributeError):  # PyTorch's own failure (not a reference for what follows)
+        b.load_state_dict(dict(full), assign=True)
+    _step_both(a, twin, _x(0))
+    _assert_grads_equal(a, twin)
+    _assert_params_equal(a, twin)
+
+
 # clip_grad_norm_ with foreach=True, and the get_total_norm / clip_grads_with_norm_ split.
 @pytest.mark.parametrize("foreach", [True, False])
 @multi_rank(world_sizes=(2,))

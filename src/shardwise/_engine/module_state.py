@@ -23,8 +23,10 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 from torch.autograd.graph import register_multi_grad_hook
 
+from shardwise.errors import ConfigTypeError
 from shardwise.policies import MixedPrecisionPolicy
 
 from .param_group import IterationContext, ParamGroup
@@ -154,10 +156,32 @@ class ModuleState:
         for owner in owners.values():
             owner.register_state_dict_pre_hook(lambda *_a, **_k: self._reshard_for_state_dict())  # type: ignore[no-untyped-call]
             owner.register_load_state_dict_pre_hook(lambda *_a, **_k: self._reshard_for_state_dict())  # type: ignore[no-untyped-call]
+            owner.register_load_state_dict_post_hook(self._check_loaded_params)
 
     def _reshard_for_state_dict(self) -> None:
         for group in self.groups:
             group.reshard_for_state_dict()
+
+    def _check_loaded_params(self, module: nn.Module, _incompatible: Any) -> None:
+        """After ``module`` loaded a state dict: ``assign=True`` may have put a
+        plain tensor where a sharded parameter belongs, which would leave the
+        model silently unsharded. Put the shards back and say so."""
+        for group in self.groups:
+            for p in group.params:
+                for owner, name in p.owners:
+                    current = owner._parameters.get(name)
+                    if owner is not module or current is None or isinstance(current, DTensor):
+                        continue
+                    for q in group.params:
+                        q.register_sharded()
+                    raise ConfigTypeError(
+                        f"load_state_dict(assign=True) gave {p.fqn} (in {self.name}) a whole "
+                        f"{type(current).__name__} of shape "
+                        f"{tuple(current.shape)} where fully_shard keeps a sharded DTensor parameter; the "
+                        "module keeps its sharded parameters. Load a sharded state dict (DTensors, as "
+                        "model.state_dict() gives), or a full one with torch.distributed.checkpoint.state_dict."
+                        "set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))."
+                    )
 
     # ---- lazy init ------------------------------------------------------------
     def lazy_init(self) -> None:

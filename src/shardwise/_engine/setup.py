@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError
+from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
 from shardwise.mesh import MeshInfo, mesh_info, mesh_info_of, replicate_info, resolve_reshard_after_forward
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -177,7 +177,8 @@ def _collect_params(
                 found[id(p)][1].append((mod, name))
                 continue
             if isinstance(p, DTensor) and _on_data_parallel_mesh(p, dp_mesh):
-                raise ConfigError(
+                # RuntimeError too, as PyTorch raises ("Cannot concatenate overlapping meshes")
+                raise UsageError(
                     f"parameter {fqn!r} is already a DTensor on {p.device_mesh} "
                     f"{tuple(p.placements)}, which shares mesh dims with fully_shard's mesh "
                     f"{dp_mesh}. If it is already sharded: apply fully_shard bottom-up (inner "
@@ -189,9 +190,9 @@ def _collect_params(
             if owner is not None:
                 # Left unmanaged here; reported at the first forward, as PyTorch does.
                 conflicts.append(
-                    f"parameter {fqn!r} is shared with another fully_shard group ({owner}); a "
-                    "parameter must belong to one group. Put all modules that use it in one "
-                    "group: fully_shard([module_a, module_b]), or shard only their common parent."
+                    f"Parameter {fqn!r} is shared with a parameter already managed by another FSDP "
+                    f"group ({owner}). For shared/tied parameters, use fully_shard([module_a, module_b]) "
+                    "to place them in the same FSDP group, or shard only their common parent."
                 )
                 continue
             if p.ndim == 0:
