@@ -155,6 +155,16 @@ class FSDPModule:
         for group in self._groups(recurse=False):
             group.settings.unshard_in_backward = bool(unshard_in_backward)
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """PyTorch's private knob, accepted so that code calling it runs: on CUDA
+        PyTorch then allocates its pre-forward / pre-backward all-gathers on
+        the default stream (and needs explicit prefetching for overlap).
+        shardwise issues every gather as async work on one stream already, so
+        the setting is recorded and changes nothing. (This module and every
+        module below it, as in PyTorch.)"""
+        for group in self._groups(recurse=True):
+            group.settings.unshard_async_op = bool(async_op)
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for compatibility: whether the next backward is the last
         before the optimizer step. shardwise ends every backward with all

@@ -1120,3 +1120,16 @@ def test_plain_tensor_replacing_a_sharded_parameter_is_a_clear_type_error():
     a, _ = _both()
     with pytest.raises(TypeError, match="out.weight is now a Tensor where fully_shard registered"):
         functional_call(a, {"out.weight": torch.ones(3, 8)}, (_x(0),))
+
+
+# PyTorch's private _set_unshard_async_op (used by its own tests and by
+# trainers such as unsloth's): accepted, recursive, and training is unchanged,
+# with explicit forward prefetching as PyTorch advises for it.
+@multi_rank(world_sizes=(2,))
+def test_set_unshard_async_op_trains_like_torch():
+    a, b = _both()
+    for m in (a, b):
+        m._set_unshard_async_op(True)
+        m.blocks[0].set_modules_to_forward_prefetch([m.blocks[1]])
+    assert all(g.settings.unshard_async_op for g in a._groups(recurse=True))
+    _train_compare(a, b, steps=3)

@@ -31,6 +31,10 @@ class GroupSettings:
     reshard_after_backward: bool = True
     # Whether backward needs this group's parameters at all.
     unshard_in_backward: bool = True
+    # PyTorch's private _set_unshard_async_op: on CUDA its pre-forward and
+    # pre-backward all-gathers then allocate on the default stream. shardwise
+    # issues every gather as async work on one stream already: recorded only.
+    unshard_async_op: bool = False
     # Divide reduced gradients by this instead of the data-parallel size.
     gradient_divide_factor: float | None = None
     # Called on the reduced gradient buffer before gradients are installed.
