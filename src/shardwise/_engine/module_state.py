@@ -156,7 +156,7 @@ class ModuleState:
         for owner in owners.values():
             owner.register_state_dict_pre_hook(lambda *_a, **_k: self._reshard_for_state_dict())  # type: ignore[no-untyped-call]
             owner.register_load_state_dict_pre_hook(lambda *_a, **_k: self._reshard_for_state_dict())  # type: ignore[no-untyped-call]
-            owner.register_load_state_dict_post_hook(self._check_loaded_params)
+            owner.register_load_state_dict_post_hook(self._check_loaded_params)  # type: ignore[no-untyped-call]
 
     def _reshard_for_state_dict(self) -> None:
         for group in self.groups:
