@@ -45,6 +45,18 @@ def _both(make=Net, **kw):
     return a, b
 
 
+def _unsharded_and_sharded():
+    """(unsharded Net, a shardwise-sharded deep copy of it): the reference
+    where PyTorch's own behaviour is not one."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    for blk in model.blocks:
+        _sw()(blk)
+    _sw()(model)
+    return ref, model
+
+
 def _raises(exc, fn, match=None):
     """Name of the exception ``fn`` raised if it is an ``exc``, else what happened."""
     try:
@@ -176,12 +188,7 @@ def test_inference_mode_forward_then_train():
     InferenceMode" — so the reference is the unsharded model.)"""
     from shardwise.testing import replicate_grads
 
-    torch.manual_seed(0)
-    ref = Net()
-    a = copy.deepcopy(ref)
-    for blk in a.blocks:
-        _sw()(blk)
-    _sw()(a)
+    ref, a = _unsharded_and_sharded()
     with torch.inference_mode():
         torch.testing.assert_close(a(_x(5)), ref(_x(5)))
     for _ in range(2):
@@ -823,12 +830,7 @@ def test_to_dtype_after_forward_converts_sharded_params():
     fails its next all-gather copy-out, so the reference is the unsharded model.)"""
     from shardwise.testing import replicate_grads
 
-    torch.manual_seed(0)
-    ref = Net()
-    a = copy.deepcopy(ref)
-    for blk in a.blocks:
-        _sw()(blk)
-    _sw()(a)
+    ref, a = _unsharded_and_sharded()
     with torch.no_grad():
         a(_x(0))
     a.to(torch.float64)
@@ -1019,12 +1021,7 @@ def test_exception_inside_backward_then_training_goes_on_like_unsharded(reset):
 
     from shardwise.testing import assert_models_match, replicate_grads
 
-    torch.manual_seed(0)
-    ref = Net()
-    m = copy.deepcopy(ref)
-    for blk in m.blocks:
-        _sw()(blk)
-    _sw()(m)
+    ref, m = _unsharded_and_sharded()
     fail = {"on": False}
 
     def boom(_module, _grad_output):
