@@ -438,6 +438,13 @@ class FullyShardedDataParallel(nn.Module):
         """Forward indexing (e.g. into an ``nn.Sequential``)."""
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint.state_dict's hook for wrappers: every
+        name under this one is reached through ``_fsdp_wrapped_module``, which
+        the fully qualified names skip (as they do for PyTorch's FSDP1), so
+        ``get_state_dict`` / ``set_state_dict`` keys are the original names."""
+        return {name: "_fsdp_wrapped_module" for name, _ in self._fsdp_wrapped_module.named_children()}
+
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """``nn.Module.named_parameters`` with the original names (no
         ``_fsdp_wrapped_module.`` segments)."""
