@@ -752,3 +752,58 @@ def test_dcp_state_dict_apis_round_trip_like_pytorch(tmp_path, full):
 def _seeded(seed):
     torch.manual_seed(seed)
     return Net()
+
+
+# An optimizer built after a forward with no backward yet (a no_grad sanity
+# forward, or between a forward and its backward) gets the model's own
+# parameters and trains as FSDP1 does with its optimizer built first. (Before,
+# the units that keep their gathered parameters after forward -- the root,
+# every SHARD_GRAD_OP / NO_SHARD unit -- showed the temporary full ones, the
+# optimizer held those, and step() silently trained nothing.) Between forward
+# and backward FSDP1 itself shows plain-tensor views under SHARD_GRAD_OP with
+# use_orig_params (an optimizer built then refuses them); shardwise shows the
+# parameters, the same objects at every point of a step.
+@pytest.mark.parametrize("when", ["after_no_grad_forward", "between_forward_and_backward"])
+@multi_rank(world_sizes=(2,))
+def test_optimizer_built_after_a_forward_trains_like_pytorch(when):
+    import torch.distributed as dist
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    import shardwise
+    from shardwise.wrap import ModuleWrapPolicy
+
+    def x(i):
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + dist.get_rank()))
+
+    def train(m, opt, first_loss):
+        seen, loss = [], first_loss
+        for i in (1, 2, 3):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append(loss.item())
+            loss = m(x(i)).square().mean()
+        return seen
+
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        for use_orig_params in (True, False):
+            ours, theirs = _both(
+                ModuleWrapPolicy({Block}), TorchPolicy({Block}), use_orig_params=use_orig_params,
+                sharding_strategy=shardwise.ShardingStrategy[strategy],
+            )
+            their_opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
+            expected = train(theirs, their_opt, theirs(x(0)).square().mean())
+            ids = [id(p) for p in ours.parameters()]
+            if when == "after_no_grad_forward":
+                with torch.no_grad():
+                    ours(x(9))
+                opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+                loss = ours(x(0)).square().mean()
+            else:
+                loss = ours(x(0)).square().mean()
+                opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+            assert [id(p) for p in ours.parameters()] == ids, (strategy, use_orig_params)
+            got = train(ours, opt, loss)
+            assert [id(p) for p in ours.parameters()] == ids, (strategy, use_orig_params)
+            assert got == pytest.approx(expected, rel=1e-5), (strategy, use_orig_params, got, expected)
+            assert got[0] != pytest.approx(got[2], rel=1e-4)

@@ -214,6 +214,9 @@ class ParamGroup:
         self._init_storage(sources)
         # ---- runtime state
         self.sharded_state = ShardedState.SHARDED
+        # Whether the modules hold the unsharded parameters (they may not while
+        # UNSHARDED: settings.register_sharded_when_idle).
+        self._registered_unsharded = False
         # Open summon_full_params contexts holding this group's full parameters.
         self.summon_depth = 0
         # The fast path's unsharded parameters: one buffer (storage freed when
@@ -459,8 +462,14 @@ class ParamGroup:
                 self._finish_packed_all_gather(cast(tuple[coll.PackedGatherResult, ...], result))
         self._post_forward_data = None
         self.sharded_state = ShardedState.UNSHARDED
-        for p in self.params:
-            p.register_unsharded()
+        self._register_unsharded()
+
+    def _register_unsharded(self) -> None:
+        """Show the gathered parameters on the modules (unsharded groups only)."""
+        if self.is_unsharded and not self._registered_unsharded:
+            for p in self.params:
+                p.register_unsharded()
+            self._registered_unsharded = True
 
     def _free_unsharded(self) -> None:
         if self.plan.fast and self._unsharded_flat is not None:
@@ -470,6 +479,7 @@ class ParamGroup:
                 p.free_unsharded()
         for p in self.params:
             p.register_sharded()
+        self._registered_unsharded = False
 
     @_outside_functorch
     def reshard(self) -> None:
@@ -493,6 +503,7 @@ class ParamGroup:
         full = [p.unsharded_param for p in self.params]
         self.summon_depth += 1
         if self.is_unsharded and all(u is not None and u.dtype == p.orig_dtype for u, p in zip(full, self.params)):
+            self._register_unsharded()
             return
         self.reshard()
         self.unshard(full_precision=True)
@@ -576,6 +587,7 @@ class ParamGroup:
             if target.training_state == TrainingState.IDLE:
                 target.prefetch()
         self.wait_for_unshard()
+        self._register_unsharded()
 
     def post_forward(self) -> None:
         if self.reshard_after_forward and self.summon_depth == 0:  # a forward inside summon keeps them whole
@@ -583,6 +595,13 @@ class ParamGroup:
                 self._reshard_post_forward()
             else:
                 self.reshard()
+        elif self.settings.register_sharded_when_idle and self._registered_unsharded and self.summon_depth == 0:
+            # Kept for backward, yet FSDP1's modules show their sharded
+            # parameters between forward and backward (an optimizer built now
+            # must get those); pre-backward registers the gathered ones again.
+            for p in self.params:
+                p.register_sharded()
+            self._registered_unsharded = False
         if torch.is_grad_enabled():
             self.post_forward_indices.append(len(self.ctx.post_forward_order))
             self.ctx.post_forward_order.append(self)
@@ -609,6 +628,7 @@ class ParamGroup:
             self._prefetch_backward()
         if unshard:
             self.wait_for_unshard()
+            self._register_unsharded()
 
     def _prefetch_backward(self) -> None:
         targets, self._backward_targets = self._backward_targets, []

@@ -35,6 +35,11 @@ class GroupSettings:
     # pre-backward all-gathers then allocate on the default stream. shardwise
     # issues every gather as async work on one stream already: recorded only.
     unshard_async_op: bool = False
+    # FSDP1's parameters: outside the group's own forward and backward the
+    # modules show the sharded parameters, even while the gathered ones are
+    # kept for backward (the root, SHARD_GRAD_OP), so model.parameters() is
+    # always the same objects. fully_shard, like PyTorch's, leaves them registered.
+    register_sharded_when_idle: bool = False
     # Divide reduced gradients by this instead of the data-parallel size.
     gradient_divide_factor: float | None = None
     # Called on the reduced gradient buffer before gradients are installed.

@@ -351,6 +351,7 @@ class FullyShardedDataParallel(nn.Module):
         settings = group.settings
         # [Note: prefetch order] in the engine: None is the implicit order, [] none.
         settings.forward_prefetch = None if self._forward_prefetch else []
+        settings.register_sharded_when_idle = True
         if self._backward_prefetch is None:
             settings.backward_prefetch = []
         else:
