@@ -807,3 +807,78 @@ def test_optimizer_built_after_a_forward_trains_like_pytorch(when):
             assert [id(p) for p in ours.parameters()] == ids, (strategy, use_orig_params)
             assert got == pytest.approx(expected, rel=1e-5), (strategy, use_orig_params, got, expected)
             assert got[0] != pytest.approx(got[2], rel=1e-4)
+
+
+# Activation checkpointing applied after wrapping (the usual FSDP1 recipe:
+# each nested FSDP(Block) becomes FSDP(CheckpointWrapper(Block))). Each
+# wrapper finds its unit through the module it sharded, not through the
+# attribute the checkpoint wrapper replaced. (Before: FULL_STATE_DICT left the
+# checkpointed units as DTensors, a full load failed, optimizer-state keys
+# kept "_checkpoint_wrapped_module.", comm hooks reached only the root and
+# no_sync() still reduce-scattered the nested units.)
+@multi_rank(world_sizes=(2,))
+def test_activation_checkpointing_applied_after_wrapping_like_pytorch():
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    import shardwise
+    from shardwise.wrap import ModuleWrapPolicy
+
+    def x(i):
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + dist.get_rank()))
+
+    def build(seed=0):
+        pair = _both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), base=_seeded(seed), use_orig_params=True)
+        for m in pair:
+            apply_activation_checkpointing(m, check_fn=lambda mod: isinstance(mod, Block))
+        return pair
+
+    got = {}
+    for impl, m, fresh in zip(("sw", "pt"), build(), build(seed=3)):
+        fsdp = shardwise if impl == "sw" else __import__("torch.distributed.fsdp", fromlist=["x"])
+        FSDP, SDT = fsdp.FullyShardedDataParallel, fsdp.StateDictType
+        calls = []
+
+        def hook(state, grad, output=None):
+            calls.append(1)
+            return default_hooks.reduce_scatter_hook(state, grad, output)
+
+        m.register_comm_hook(default_hooks.DefaultState(dist.group.WORLD), hook)
+        opt = torch.optim.Adam(m.parameters(), lr=0.01)
+        losses = []
+        with m.no_sync():
+            m(x(0)).square().mean().backward()
+        hooked_in_no_sync = len(calls)
+        for i in (1, 2):
+            loss = m(x(i)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        with FSDP.state_dict_type(m, SDT.FULL_STATE_DICT):
+            sd = m.state_dict()
+        osd = FSDP.optim_state_dict(m, opt)
+        with FSDP.state_dict_type(fresh, SDT.FULL_STATE_DICT):
+            fresh.load_state_dict(sd)
+        with torch.no_grad():
+            same_output = torch.allclose(fresh(x(5)), m(x(5)), atol=1e-6)
+        got[impl] = {
+            "module": type(m.blocks[0].module).__name__,
+            "hook calls": (hooked_in_no_sync, len(calls)),
+            "losses": losses,
+            "sd": {k: (type(v).__name__, v) for k, v in sd.items()},
+            "optim keys": sorted(osd["state"]),
+            "loaded": same_output,
+        }
+    sw, pt = got["sw"], got["pt"]
+    assert sw["module"] == pt["module"] == "Block"
+    assert sw["hook calls"] == pt["hook calls"] == (0, 6), (sw["hook calls"], pt["hook calls"])
+    assert sw["losses"] == pytest.approx(pt["losses"], rel=1e-5)
+    assert list(sw["sd"]) == list(pt["sd"]) and "blocks.0.lin1.weight" in sw["sd"]
+    for k, (kind, v) in sw["sd"].items():
+        assert kind == pt["sd"][k][0] == "Tensor", (k, kind)
+        assert torch.allclose(v, pt["sd"][k][1], atol=1e-6), k
+    assert sw["optim keys"] == pt["optim keys"] and "blocks.1.lin2.bias" in sw["optim keys"]
+    assert sw["loaded"] and pt["loaded"]

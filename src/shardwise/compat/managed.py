@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise.errors import ConfigError, ConfigTypeError
 
 __all__ = [
+    "CHECKPOINT_WRAPPED",
     "WRAPPED_MODULE",
     "Ignored",
     "OwnTensor",
@@ -37,6 +38,8 @@ __all__ = [
 
 #: The attribute a wrapper keeps its wrapped module under (PyTorch's name).
 WRAPPED_MODULE = "_fsdp_wrapped_module"
+#: Where torch's CheckpointWrapper keeps the module it checkpoints.
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 
 
 def is_wrapper(module: nn.Module) -> bool:

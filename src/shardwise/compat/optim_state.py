@@ -41,7 +41,7 @@ from shardwise.errors import ConfigError, ConfigTypeError
 from shardwise.layout import dtensor_like
 
 from .config import OptimStateKeyType, StateDictType
-from .state_dict import _load_value, clean_name, get_state_dict_type
+from .state_dict import _load_value, clean_fqn, get_state_dict_type
 
 __all__ = [
     "flatten_sharded_optim_state_dict",
@@ -93,7 +93,7 @@ def _names(model: nn.Module) -> dict[int, str]:
     """Parameter (by id) -> its first original name in ``model``."""
     names: dict[int, str] = {}
     for name, p in nn.Module.named_parameters(model):
-        names.setdefault(id(p), clean_name(name))
+        names.setdefault(id(p), clean_fqn(name))
     return names
 
 

@@ -50,7 +50,7 @@ from .config import (
     StateDictSettings,
     StateDictType,
 )
-from .managed import WRAPPED_MODULE, Ignored, OwnTensor, is_wrapper, own_tensors
+from .managed import CHECKPOINT_WRAPPED, WRAPPED_MODULE, Ignored, OwnTensor, is_wrapper, own_tensors
 from .strategies import StrategyPlan
 
 
@@ -60,6 +60,7 @@ class WrapperState(Protocol):
     typed structurally: the wrapper imports this module, never the reverse."""
 
     _fsdp_wrapped_module: nn.Module
+    _fsdp_unit: nn.Module
     _ignored: Ignored
     _buffer_dtypes: dict[str, torch.dtype]
     _state_dict_settings: StateDictSettings
@@ -69,6 +70,7 @@ class WrapperState(Protocol):
     def _group(self) -> ParamGroup | None: ...
 
 __all__ = [
+    "clean_fqn",
     "clean_name",
     "get_state_dict_type",
     "local_chunk",
@@ -90,6 +92,17 @@ def clean_name(name: str) -> str:
     if name.endswith("." + WRAPPED_MODULE):
         return name[: -len(WRAPPED_MODULE) - 1]
     return name
+
+
+def clean_fqn(name: str) -> str:
+    """``name`` as state dicts and optimizer state dicts key it: without the
+    wrapper's and activation checkpointing's segments (PyTorch's ``clean_tensor_name``)."""
+    return clean_name(name).replace(CHECKPOINT_WRAPPED + ".", "")
+
+
+def _own_by_key(wrapper: WrapperState) -> dict[str, OwnTensor]:
+    """The wrapper's own tensors under their state-dict keys (relative to it)."""
+    return {clean_fqn(t.name): t for t in own_tensors(wrapper._fsdp_unit, wrapper._ignored)}
 
 
 def wrappers_under(module: nn.Module) -> list[WrapperState]:
@@ -229,7 +242,7 @@ def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
     settings = wrapper._state_dict_settings
     kind, cfg = settings.state_dict_type, settings.state_dict_config
     inner_prefix = prefix + _SEGMENT
-    own = {t.name: t for t in own_tensors(wrapper._fsdp_wrapped_module, wrapper._ignored)}
+    own = _own_by_key(wrapper)
     drop = (
         kind == StateDictType.FULL_STATE_DICT
         and getattr(cfg, "rank0_only", False)
@@ -242,11 +255,11 @@ def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
         for key in keys:
             value = state_dict.pop(key)
             rest = key[len(inner_prefix) :]
-            t = own.get(rest)
+            t = own.get(clean_fqn(rest))
             if t is not None and isinstance(value, torch.Tensor):
                 source = id(_current(t))
                 if source not in converted:
-                    orig = None if t.is_param else wrapper._buffer_dtypes.get(rest)
+                    orig = None if t.is_param else wrapper._buffer_dtypes.get(clean_fqn(rest))
                     converted[source] = _save_value(kind, cfg, value, orig)
                 value = converted[source]
             if not drop:
@@ -313,13 +326,13 @@ def _pre_load_hook(
     group = wrapper._group
     if group is not None:
         group.reshard()  # the targets below must be the sharded parameters
-    own = {t.name: t for t in own_tensors(wrapper._fsdp_wrapped_module, wrapper._ignored)}
+    own = _own_by_key(wrapper)
     keys = [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner_prefix)]
     with torch.no_grad():
         for key in keys:
             value = state_dict.pop(key)
             rest = key[len(prefix) :]
-            t = own.get(rest)
+            t = own.get(clean_fqn(rest))
             if t is not None:
                 value = _load_value(kind, key, value, _current(t))
             state_dict[inner_prefix + rest] = value

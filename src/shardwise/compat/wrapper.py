@@ -56,6 +56,7 @@ from .config import (
     StateDictType,
 )
 from .managed import (
+    CHECKPOINT_WRAPPED,
     WRAPPED_MODULE,
     is_wrapper,
     materialize_meta,
@@ -66,6 +67,7 @@ from .managed import (
 from .managed import sync_module_states as broadcast_module_states
 from .mixed_precision import mark_full_precision_modules, to_mp_policy
 from .state_dict import (
+    clean_fqn,
     clean_name,
     get_state_dict_type,
     register_state_dict_hooks,
@@ -162,6 +164,8 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: a 1-D mesh to shard over, or for hybrid strategies a 2-D
             ``(replicate, shard)`` mesh. (Default: ``None``)
     """
+
+    _fsdp_unit: nn.Module
 
     def __init__(
         self,
@@ -267,6 +271,10 @@ class FullyShardedDataParallel(nn.Module):
             ignored_params=ignored.params,
         )
         self._fsdp_wrapped_module = module
+        # The module sharded, kept outside _modules: what sits under
+        # _fsdp_wrapped_module may be replaced (apply_activation_checkpointing
+        # after wrapping puts a CheckpointWrapper there), the engine state stays here.
+        self.__dict__["_fsdp_unit"] = module
         self._plan: StrategyPlan = plan
         self._ignored = ignored
         self._compute_device = compute_device
@@ -363,12 +371,14 @@ class FullyShardedDataParallel(nn.Module):
     # ---- plain accessors ---------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module (inside an activation-checkpointing wrapper put
+        around it after wrapping, the module it checkpoints, as PyTorch's)."""
+        inner = self._fsdp_wrapped_module
+        return inner._modules.get(CHECKPOINT_WRAPPED) or inner
 
     @property
     def _group(self) -> ParamGroup | None:
-        state = state_of(self._fsdp_wrapped_module)
+        state = state_of(self._fsdp_unit)
         return state.group if state is not None else None
 
     @property
@@ -462,7 +472,7 @@ class FullyShardedDataParallel(nn.Module):
     def _is_root(self) -> bool | None:
         """The engine's answer: whether this wrapper's module state is the root
         (``None`` until the first forward, or :meth:`check_is_root`, decides)."""
-        state = state_of(self._fsdp_wrapped_module)
+        state = state_of(self._fsdp_unit)
         return state.is_root if state is not None else None
 
     def _lazy_init(self) -> None:
@@ -471,7 +481,7 @@ class FullyShardedDataParallel(nn.Module):
         own buffers to its ``buffer_dtype``."""
         if self._buffers_cast:
             return
-        state = state_of(self._fsdp_wrapped_module)
+        state = state_of(self._fsdp_unit)
         if state is not None:
             state.lazy_init()
         for w in _wrappers_under(self):
@@ -483,13 +493,13 @@ class FullyShardedDataParallel(nn.Module):
         mp = self._mixed_precision
         if mp is None or mp.buffer_dtype is None:
             return
-        for t in own_tensors(self._fsdp_wrapped_module, self._ignored, persistent_only=False):
+        for t in own_tensors(self._fsdp_unit, self._ignored, persistent_only=False):
             if t.is_param:
                 continue
             buf = t.module._buffers[t.attr]
             if buf is None or not buf.is_floating_point() or buf.dtype == mp.buffer_dtype:
                 continue
-            self._buffer_dtypes.setdefault(t.name, buf.dtype)
+            self._buffer_dtypes.setdefault(clean_fqn(t.name), buf.dtype)
             t.module._buffers[t.attr] = buf.to(mp.buffer_dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -702,7 +712,7 @@ class FullyShardedDataParallel(nn.Module):
                 "hold only shards, so writing back would make ranks disagree. Pass writeback=False."
             )
         roots = FullyShardedDataParallel.fsdp_modules(module, root_only=True)
-        targets: list[nn.Module] = list(roots) if recurse else [r._fsdp_wrapped_module for r in roots]
+        targets: list[nn.Module] = list(roots) if recurse else [r._fsdp_unit for r in roots]
         groups = [
             s.group
             for t in targets
