@@ -181,3 +181,50 @@ def test_mixed_parameter_dtypes_in_one_group_are_no_error():
     assert m[1].weight.dtype == torch.float64 and m[1].weight.grad.dtype == torch.float64
 
 
+
+
+# An optimizer built before sharding holds the parameters sharding replaced:
+# its step would update tensors the model no longer uses, and training would
+# silently stand still (PyTorch's fully_shard, and FSDP1 without
+# use_orig_params, do just that). Refused at its first step; an optimizer
+# built afterwards trains as the unsharded model. The check follows
+# add_param_group.
+@pytest.mark.parametrize("front", ["fully_shard", "wrapper"])
+@multi_rank(world_sizes=(2,))
+def test_optimizer_built_before_sharding_is_refused(front):
+    import shardwise
+
+    def shard(m):
+        if front == "wrapper":
+            return shardwise.FullyShardedDataParallel(m, use_orig_params=True)
+        shardwise.fully_shard(m[0])
+        shardwise.fully_shard(m)
+        return m
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    m = copy.deepcopy(ref)
+    early = torch.optim.SGD(m.parameters(), lr=0.1)
+    m = shard(m)
+    m(torch.randn(3, 4)).sum().backward()
+    _raises(ValueError, r"SGD holds parameter '(0\.)?weight' of (Linear|Sequential) .* before sharding.* Build the optimizer after", early.step)
+    _raises(RuntimeError, "SGD holds parameter", early.step)  # every time, not only the first
+
+    late = torch.optim.SGD(m.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    late.zero_grad()
+    for i in range(3):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(i))  # the same on both ranks
+        for model, opt in ((m, late), (ref, ref_opt)):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(m(x), ref(x), rtol=1e-5, atol=1e-6)
+
+    fresh = torch.optim.SGD([next(iter(m.parameters()))], lr=0.1)
+    fresh.step()  # checked and fine
+    fresh.add_param_group({"params": [ref[0].bias, torch.nn.Parameter(torch.zeros(1))]})
+    fresh.step()  # ref's parameters were never sharded
+    stale = early.param_groups[0]["params"][-1]
+    fresh.add_param_group({"params": [stale]})
+    _raises(ValueError, r"holds parameter '2.bias'", fresh.step)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -30,9 +31,32 @@ from .sharded_param import ShardedParam
 
 __all__ = ["shard_modules"]
 
-# original parameter -> description of the group that manages it, to refuse a
-# parameter shared by two groups.
+# original parameter -> (description of the group that manages it, its name),
+# to refuse a parameter shared by two groups and an optimizer that still holds it.
 _OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# optimizer -> how many parameters it held when last checked (see _check_optimizer).
+_CHECKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_HOOKED: list[Any] = []
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before an optimizer's step (checked again only when its parameters
+    change): refuse one that holds a parameter sharding replaced. Its step
+    would update a tensor the model no longer uses, silently."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if _CHECKED.get(optimizer) == len(params):  # type: ignore[no-untyped-call]
+        return
+    for p in params:
+        owner = _OWNED.get(p)  # type: ignore[no-untyped-call]
+        if owner is not None:
+            raise UsageError(
+                f"{type(optimizer).__name__} holds parameter {owner[1]!r} of {owner[0]} (shape "
+                f"{tuple(p.shape)}) as it was before sharding, which registered a sharded parameter in its "
+                "place: this step would update a tensor the model no longer uses. Build the optimizer after "
+                "fully_shard / FullyShardedDataParallel: "
+                f"{type(optimizer).__name__}(model.parameters(), ...)."
+            )
+    _CHECKED[optimizer] = len(params)
 
 
 def shard_modules(
@@ -81,8 +105,10 @@ def shard_modules(
         settings = GroupSettings(mp=mp_policy)
         groups.append(ParamGroup(params, sources, g_info, info.device, settings, g_raf, storage_device, desc, pin))
     del planned  # never keep the full tensors alive
-    for orig, *_ in collected:
-        _OWNED[orig] = desc
+    for orig, _, fqn in collected:
+        _OWNED[orig] = (desc, fqn)
+    if not _HOOKED:
+        _HOOKED.append(register_optimizer_step_pre_hook(_check_optimizer))
     for managed in _managed_modules(modules):
         # What PyTorch sets on every module it manages (dynamo and tools read them).
         managed._is_fsdp_managed_module = True  # type: ignore[assignment]
@@ -191,7 +217,7 @@ def _collect_params(
                 # Left unmanaged here; reported at the first forward, as PyTorch does.
                 conflicts.append(
                     f"Parameter {fqn!r} is shared with a parameter already managed by another FSDP "
-                    f"group ({owner}). For shared/tied parameters, use fully_shard([module_a, module_b]) "
+                    f"group ({owner[0]}). For shared/tied parameters, use fully_shard([module_a, module_b]) "
                     "to place them in the same FSDP group, or shard only their common parent."
                 )
                 continue
