@@ -15,6 +15,7 @@ __all__ = [
     "UnsupportedError",
     "AlreadyShardedError",
     "MixedDtypeError",
+    "CommHookError",
 ]
 
 
@@ -64,3 +65,8 @@ class AlreadyShardedError(ConfigError, AssertionError):
 class MixedDtypeError(ConfigError, AssertionError):
     """The trainable parameters of one group differ in dtype and no
     ``param_dtype`` makes them one (PyTorch asserts, at the first forward)."""
+
+
+class CommHookError(UsageError, AssertionError):
+    """register_comm_hook refused: a second hook, a nested wrapper, a hybrid
+    strategy (PyTorch's FSDP1 asserts)."""

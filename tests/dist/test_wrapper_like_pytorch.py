@@ -241,8 +241,41 @@ def _err_state_dict_type_config(F, m):
         pass
 
 
+def _hook_state():
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    return default_hooks.DefaultState(__import__("torch.distributed").distributed.group.WORLD)
+
+
+def _err_comm_hook_nested(F, m):
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    m(_x()).sum().backward()
+    m.blocks[0].register_comm_hook(_hook_state(), default_hooks.reduce_scatter_hook)
+
+
+def _err_comm_hook_twice(F, m):
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    m.register_comm_hook(_hook_state(), default_hooks.reduce_scatter_hook)
+    m.register_comm_hook(_hook_state(), default_hooks.reduce_scatter_hook)
+
+
+def _err_comm_hook_signature(F, m):
+    # a NO_SHARD-style hook(state, grad) on a sharded strategy: the hook's own
+    # TypeError, raised in backward
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    m.register_comm_hook(_hook_state(), default_hooks.allreduce_hook)
+    m(_x()).sum().backward()
+
+
 @pytest.mark.parametrize(
-    "case", ["_err_nested_clip", "_err_nested_no_sync", "_err_summon_rank0_writeback", "_err_state_dict_type_config"]
+    "case",
+    [
+        "_err_nested_clip", "_err_nested_no_sync", "_err_summon_rank0_writeback", "_err_state_dict_type_config",
+        "_err_comm_hook_nested", "_err_comm_hook_twice", "_err_comm_hook_signature",
+    ],
 )
 @multi_rank(world_sizes=(2,))
 def test_error_types_like_pytorch(case):
@@ -266,6 +299,7 @@ def test_error_types_like_pytorch(case):
         fn(shardwise.FullyShardedDataParallel, o)
     expected = type(theirs.value)
     assert isinstance(ours.value, expected), (type(ours.value).__mro__, expected)
+    assert isinstance(ours.value, (ValueError, TypeError)), type(ours.value).__mro__
 
 
 @multi_rank(world_sizes=(2,))
@@ -674,6 +708,20 @@ def test_deprecated_state_dict_entry_points_warn_like_pytorch():
 
     from shardwise import StateDictType
     from shardwise.wrap import ModuleWrapPolicy
+
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    made = {}  # FutureWarnings at construction: FSDP1 deprecates NO_SHARD
+    for strategy in ("NO_SHARD", "FULL_SHARD"):
+        for name, lib, kw in (("sw", shardwise, {}), ("pt", tfsdp, {"device_id": torch.device("cpu")})):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                lib.FullyShardedDataParallel(_base(), sharding_strategy=lib.ShardingStrategy[strategy], **kw)
+            made[name, strategy] = sorted({str(w.message) for w in caught if w.category is FutureWarning})
+    assert made["sw", "NO_SHARD"] == made["pt", "NO_SHARD"] != [], made
+    assert made["sw", "FULL_SHARD"] == made["pt", "FULL_SHARD"] == [], made
 
     o, t = _both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), use_orig_params=True)
     got = {}

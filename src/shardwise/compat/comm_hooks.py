@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._comm_hooks import default_hooks
 
+from shardwise._engine.collectives import RAISE_AS_IS
 from shardwise.comm import FreshBuffers, ReduceScatter
 
 __all__ = ["CommHookReduceScatter", "CommHookAllReduce"]
@@ -27,6 +28,16 @@ _LOW_PRECISION = {
     default_hooks.fp16_compress_hook: torch.float16,
     default_hooks.bf16_compress_hook: torch.bfloat16,
 }
+
+
+def _call(hook: Callable[..., Any], *args: Any) -> Any:
+    """Run a user's hook; its own error reaches the caller as it is, as with FSDP1
+    (not as the engine's CollectiveError for custom collectives)."""
+    try:
+        return hook(*args)
+    except Exception as exc:
+        setattr(exc, RAISE_AS_IS, True)
+        raise
 
 
 def _low_precision_reduce_scatter(prec: torch.dtype, state: Any, grad: torch.Tensor, output: torch.Tensor) -> None:
@@ -58,7 +69,7 @@ class CommHookAllReduce:
             return None
         # The hook may swap .data for another dtype: hand it a copy, copy back.
         work = tensor.clone()
-        self.hook(self.state, work)
+        _call(self.hook, self.state, work)
         tensor.copy_(work)
         return None
 
@@ -86,6 +97,6 @@ class CommHookReduceScatter(FreshBuffers, ReduceScatter):
         # The hook may swap .data of its arguments for another dtype (compression
         # hooks do): hand it a fresh output and copy the result, cast, into ours.
         out = torch.empty_like(output_tensor)
-        self.hook(self.state, input_tensor, out)
+        _call(self.hook, self.state, input_tensor, out)
         output_tensor.copy_(out)
         return None

@@ -36,7 +36,7 @@ from shardwise._engine.param_group import ParamGroup, TrainingState, check_train
 from shardwise._engine.setup import shard_modules
 from shardwise._engine.sharded_param import set_param
 from shardwise._engine.trees import cast_floats
-from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
+from shardwise.errors import CommHookError, ConfigError, ConfigTypeError, UnsupportedError, UsageError
 from shardwise.fully_shard import summon_full_params as engine_summon
 from shardwise.policies import CPUOffloadPolicy, OffloadPolicy
 from shardwise.wrap import check_not_sharded, check_policy, plan_wrapping, post_order
@@ -221,6 +221,13 @@ class FullyShardedDataParallel(nn.Module):
         device = _device_from_id(device_id)
         ignored = resolve_ignored(module, ignored_modules, ignored_states)
         plan = resolve_strategy(strategy, process_group, device_mesh, default_device_type(device))
+        if strategy == ShardingStrategy.NO_SHARD and dist.get_world_size(plan.replicate_group or plan.shard_group) > 1:
+            warnings.warn(  # PyTorch's words
+                "The `NO_SHARD` sharding strategy is deprecated. If having issues, "
+                "please use `DistributedDataParallel` instead.",
+                FutureWarning,
+                stacklevel=2,
+            )
 
         if auto_wrap_policy is not None:
             root_kwargs: dict[str, Any] = {
@@ -525,9 +532,9 @@ class FullyShardedDataParallel(nn.Module):
         "register_comm_hook": "register_comm_hook can only be called on a root instance.",
     }
 
-    def _require_root(self, what: str) -> None:
+    def _require_root(self, what: str, error: type[UsageError] = UsageError) -> None:
         if not self.check_is_root():
-            raise UsageError(
+            raise error(
                 f"{self._NOT_ROOT[what]} ({what} must be called on the root FullyShardedDataParallel module, "
                 "the outermost one, not on a nested one.)"
             )
@@ -649,18 +656,18 @@ class FullyShardedDataParallel(nn.Module):
             hook: e.g. ``default_hooks.reduce_scatter_hook``,
                 ``fp16_compress_hook`` or ``bf16_compress_hook``.
         """
-        self._require_root("register_comm_hook")
+        self._require_root("register_comm_hook", CommHookError)
         if not callable(hook):
             raise ConfigTypeError(f"The communication hook must be callable, got {type(hook).__name__}.")
         wrappers = _wrappers_under(self)
         for w in wrappers:
             if w._plan.strategy in HYBRID_STRATEGIES:
-                raise ConfigError(
+                raise CommHookError(
                     f"communication hooks are not supported for hybrid strategies "
                     f"({w._plan.strategy.name}), as in PyTorch; use FULL_SHARD or SHARD_GRAD_OP."
                 )
             if w._comm_hook is not None:
-                raise ConfigError("A communication hook is already registered; register one hook, once.")
+                raise CommHookError("A communication hook is already registered; register one hook, once.")
         for w in wrappers:
             w._comm_hook = hook
             group = w._group
