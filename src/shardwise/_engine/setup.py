@@ -43,10 +43,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     """Before an optimizer's step (checked again only when its parameters
     change): refuse one that holds a parameter sharding replaced. Its step
     would update a tensor the model no longer uses, silently."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if _CHECKED.get(optimizer) == len(params):  # type: ignore[no-untyped-call]
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _CHECKED.get(optimizer) == count:  # type: ignore[no-untyped-call]
         return
-    for p in params:
+    for p in (p for g in optimizer.param_groups for p in g["params"]):
         owner = _OWNED.get(p)  # type: ignore[no-untyped-call]
         if owner is not None:
             raise UsageError(
@@ -56,7 +56,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 "fully_shard / FullyShardedDataParallel: "
                 f"{type(optimizer).__name__}(model.parameters(), ...)."
             )
-    _CHECKED[optimizer] = len(params)
+    _CHECKED[optimizer] = count
 
 
 def shard_modules(
