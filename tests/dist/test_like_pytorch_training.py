@@ -1130,3 +1130,82 @@ def test_set_unshard_async_op_trains_like_torch():
         m.blocks[0].set_modules_to_forward_prefetch([m.blocks[1]])
     assert all(g.settings.unshard_async_op for g in a._groups(recurse=True))
     _train_compare(a, b, steps=3)
+
+
+# load_state_dict(assign=True) AFTER the first forward: the assigned sharded
+# parameters are what the model computes with and trains, as under PyTorch
+# (before, forward kept gathering the old shards: the load was silently
+# ignored and an optimizer over the new parameters trained tensors forward
+# never read).
+@multi_rank(world_sizes=(2,))
+def test_load_state_dict_assign_after_first_forward_like_torch():
+    a, b = _both()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    _step_both(a, b, _x(0))
+    for m, opt in zip((a, b), opts):
+        opt.step()
+        opt.zero_grad()
+        sd = {k: v.detach().clone() * 0.5 for k, v in m.state_dict().items()}
+        m.load_state_dict(sd, assign=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    with torch.no_grad():
+        halved, theirs = a(_x(1)), b(_x(1))
+    torch.testing.assert_close(halved, theirs)  # both compute with the loaded weights
+    for it in (1, 2, 3):
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(a, b)
+    with torch.no_grad():
+        assert not torch.allclose(a(_x(1)), halved)  # the optimizer trains what forward reads
+
+
+# A block frozen between gradient-accumulation micro-batches keeps the
+# gradient it accumulated before the freeze: reduced and installed at the
+# syncing backward, as the unsharded model keeps its .grad (and PyTorch
+# reduces it). Before, the block got no gradient, and the unreduced one
+# leaked into a later step once the block was unfrozen.
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float64])
+@multi_rank(world_sizes=(2,))
+def test_freezing_a_block_between_micro_batches_like_torch(reduce_dtype):
+    kw = {"reduce_dtype": reduce_dtype}
+    a, b = _both() if reduce_dtype is None else _both_mp(root_kw=kw, block_kw=kw)
+    for step in range(2):
+        for m in (a, b):
+            m.set_requires_gradient_sync(False)
+        _step_both(a, b, _x(10 * step))
+        for m in (a, b):
+            m.blocks[1].requires_grad_(False)
+            m.set_requires_gradient_sync(True)
+        _step_both(a, b, _x(10 * step + 1))
+        _assert_grads_equal(a, b)
+        assert a.blocks[1].lin1.weight.grad is not None
+        for m in (a, b):
+            m.blocks[1].requires_grad_(True)
+            m.zero_grad()
+
+
+# torch.save(model.state_dict()) writes each rank's shards and nothing more:
+# every local tensor's storage is exactly its own span, as each of PyTorch's
+# shards is allocated apart. (Before, the first parameter of each group kept
+# the whole group's flat buffer as its storage: files about 1.9x PyTorch's,
+# and a loaded tensor kept the group's bytes alive.)
+@multi_rank(world_sizes=(2,))
+def test_torch_save_of_a_state_dict_writes_only_the_shards_like_torch(tmp_path):
+    import torch.distributed as dist
+
+    a, b = _both()
+    sizes, storage = [], []
+    for name, m in (("sw", a), ("pt", b)):
+        sd = m.state_dict()
+        storage.append({k: v.to_local().untyped_storage().nbytes() for k, v in sd.items()})
+        path = tmp_path / f"{name}-{dist.get_rank()}.pt"
+        torch.save(sd, path)
+        sizes.append(path.stat().st_size)
+        loaded = torch.load(path, weights_only=False)
+        for k, v in loaded.items():
+            torch.testing.assert_close(v.to_local(), sd[k].to_local(), msg=k)
+    assert all(storage[0][k] <= storage[1][k] for k in storage[1]), storage  # PyTorch's hold their padding
+    assert abs(sizes[0] - sizes[1]) < 0.1 * sizes[1], sizes

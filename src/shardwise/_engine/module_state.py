@@ -165,12 +165,18 @@ class ModuleState:
     def _check_loaded_params(self, module: nn.Module, _incompatible: Any) -> None:
         """After ``module`` loaded a state dict: ``assign=True`` may have put a
         plain tensor where a sharded parameter belongs, which would leave the
-        model silently unsharded. Put the shards back and say so."""
+        model silently unsharded. Put the shards back and say so. Sharded
+        parameters it assigned are adopted at the group's next unshard (as
+        PyTorch resets its sharded parameters after such a load)."""
         for group in self.groups:
             for p in group.params:
                 for owner, name in p.owners:
                     current = owner._parameters.get(name)
-                    if owner is not module or current is None or isinstance(current, DTensor):
+                    if owner is not module or current is None:
+                        continue
+                    if isinstance(current, DTensor):
+                        if current is not p.sharded_param:
+                            group.needs_readopt = True
                         continue
                     for q in group.params:
                         q.register_sharded()

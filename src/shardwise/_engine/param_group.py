@@ -214,6 +214,9 @@ class ParamGroup:
         self._init_storage(sources)
         # ---- runtime state
         self.sharded_state = ShardedState.SHARDED
+        # load_state_dict(assign=True) registered new sharded parameters: adopt
+        # them into the flat buffer before the next all-gather.
+        self.needs_readopt = False
         # Whether the modules hold the unsharded parameters (they may not while
         # UNSHARDED: settings.register_sharded_when_idle).
         self._registered_unsharded = False
@@ -308,6 +311,7 @@ class ParamGroup:
     def reset_sharded_params(self) -> None:
         """Re-adopt parameters that ``to_empty`` / ``_apply`` / assign-loading
         replaced, so the flat buffer is again what the module holds."""
+        self.needs_readopt = False
         if all(p.local_is_adopted() for p in self.params):
             return
         if self.sharded_state != ShardedState.SHARDED:
@@ -336,6 +340,8 @@ class ParamGroup:
         """Issue the all-gather (idempotent: nothing if unsharded or in flight).
         ``full_precision`` gathers every parameter in its own dtype (summon)."""
         if self._in_flight is None and not self.is_unsharded:
+            if self.needs_readopt:
+                self.reset_sharded_params()
             self._wait_post_optim_event()
             comm = self.settings.all_gather_comm
             with trace(f"shardwise::all_gather ({self.name})"):
@@ -647,8 +653,10 @@ class ParamGroup:
             params, grads = [], []
             for p in self.params:
                 up = p.unsharded_param
-                if up is None or not p.requires_grad:
+                if up is None:
                     continue
+                # A gradient is reduced even if its parameter was frozen since
+                # it was computed (mid-accumulation), as the unsharded model keeps it.
                 grad = up.grad
                 if grad is not None:
                     if grad.layout != torch.strided:
@@ -668,7 +676,7 @@ class ParamGroup:
                 if acc is not None:
                     grad = acc if grad is None else acc.add_(grad)
                     p.unsharded_accumulated_grad = None
-                if grad is None and settings.reduce_scatter_unused_params:
+                if grad is None and settings.reduce_scatter_unused_params and p.requires_grad:
                     grad = torch.zeros(p.full_shape, dtype=up.dtype, device=self.device)
                 if grad is None:
                     continue

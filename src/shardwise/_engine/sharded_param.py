@@ -102,10 +102,14 @@ def sharded_spec(
 
 
 def own_storage(view: torch.Tensor) -> torch.Tensor:
-    """``view`` (a view at a non-zero offset into a larger buffer) as a tensor
-    over the same memory whose storage starts at its first element. See
-    [Note: shards with a storage of their own]."""
-    if view.storage_offset() == 0 or type(view) is not torch.Tensor or view.device.type == "meta":
+    """``view`` (a view into a larger buffer) as a tensor over the same memory
+    whose storage is exactly its span. See [Note: shards with a storage of
+    their own]."""
+    if type(view) is not torch.Tensor or view.device.type == "meta":
+        return view
+    if view.storage_offset() == 0 and (
+        view.numel() == 0 or view.untyped_storage().nbytes() == view.numel() * view.element_size()
+    ):
         return view
     return torch.utils.dlpack.from_dlpack(view.detach())
 
