@@ -173,11 +173,11 @@ def test_an_exception_in_a_rank_shows_its_traceback_once(runs):
 
 
 def test_a_slow_healthy_run_never_fires(runs, tmp_path):
-    """A first step 8 s slower on one rank (compiling), an 8 s save on one rank, a 10 s step on every rank
-    (a busy machine) and the whole job paused for 8 s, all under a 3 s timeout: the run completes."""
-    faults = [{"rank": 1, "step": 1, "do": "sleep", "seconds": 8},
-              {"rank": 0, "step": 3, "do": "slow_save", "seconds": 8},
-              {"rank": "all", "step": 5, "do": "sleep", "seconds": 10}]
+    """A first step 5 s slower on one rank (compiling), a 5 s save on one rank, a 6 s step on every rank
+    (a busy machine) and the whole job paused for 5 s, all under a 3 s timeout: the run completes."""
+    faults = [{"rank": 1, "step": 1, "do": "sleep", "seconds": 5},
+              {"rank": 0, "step": 3, "do": "slow_save", "seconds": 5},
+              {"rank": "all", "step": 5, "do": "sleep", "seconds": 6}]
     run = runs("--steps", "8", "--watchdog-timeout", "3", "--checkpoint-every", "3", "--checkpoint-dir",
                str(tmp_path / "ck"), faults=faults)
     run.wait_for_step(5)
@@ -185,7 +185,7 @@ def test_a_slow_healthy_run_never_fires(runs, tmp_path):
     pids = [run.proc.pid, run.pid(0), run.pid(1)]
     for pid in pids:  # Ctrl-Z: the launcher and every rank stop together
         os.kill(pid, signal.SIGSTOP)
-    time.sleep(8)
+    time.sleep(5)
     for pid in pids:
         os.kill(pid, signal.SIGCONT)
     code, out, err, took = run.finish(180)
