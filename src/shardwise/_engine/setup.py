@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
