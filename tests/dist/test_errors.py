@@ -183,15 +183,18 @@ def test_mixed_parameter_dtypes_in_one_group_are_no_error():
 
 
 
-# An optimizer built before sharding holds the parameters sharding replaced:
-# its step would update tensors the model no longer uses, and training would
-# silently stand still (PyTorch's fully_shard, and FSDP1 without
-# use_orig_params, do just that). Refused at its first step; an optimizer
-# built afterwards trains as the unsharded model. The check follows
-# add_param_group.
+# An optimizer built before sharding holds the parameters sharding replaced.
+# At its first step it is given their sharded parameters and trains as the
+# unsharded model does (FSDP1 with use_orig_params keeps the original objects
+# and trains; PyTorch's fully_shard, and FSDP1 without use_orig_params,
+# silently train nothing). One that already stepped before sharding holds
+# whole-tensor state that cannot follow: refused, naming the parameter and
+# the fix. The swap follows add_param_group.
 @pytest.mark.parametrize("front", ["fully_shard", "wrapper"])
 @multi_rank(world_sizes=(2,))
-def test_optimizer_built_before_sharding_is_refused(front):
+def test_optimizer_built_before_sharding_trains_the_sharded_parameters(front):
+    from torch.distributed.tensor import DTensor
+
     import shardwise
 
     def shard(m):
@@ -201,30 +204,42 @@ def test_optimizer_built_before_sharding_is_refused(front):
         shardwise.fully_shard(m)
         return m
 
+    def x(i):
+        return torch.randn(4, 4, generator=torch.Generator().manual_seed(i))  # the same on both ranks
+
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     m = copy.deepcopy(ref)
-    early = torch.optim.SGD(m.parameters(), lr=0.1)
+    early = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     m = shard(m)
-    m(torch.randn(3, 4)).sum().backward()
-    _raises(ValueError, r"SGD holds parameter '(0\.)?weight' of (Linear|Sequential) .* before sharding.* Build the optimizer after", early.step)
-    _raises(RuntimeError, "SGD holds parameter", early.step)  # every time, not only the first
-
-    late = torch.optim.SGD(m.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    late.zero_grad()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for i in range(3):
-        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(i))  # the same on both ranks
-        for model, opt in ((m, late), (ref, ref_opt)):
-            model(x).square().mean().backward()
+        for model, opt in ((m, early), (ref, ref_opt)):
+            model(x(i)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    torch.testing.assert_close(m(x), ref(x), rtol=1e-5, atol=1e-6)
+    assert all(isinstance(p, DTensor) for p in early.param_groups[0]["params"])
+    assert [id(p) for p in early.param_groups[0]["params"]] == [id(p) for p in m.parameters()]
+    with torch.no_grad():
+        torch.testing.assert_close(m(x(5)), ref(x(5)), rtol=1e-5, atol=1e-6)
 
-    fresh = torch.optim.SGD([next(iter(m.parameters()))], lr=0.1)
-    fresh.step()  # checked and fine
-    fresh.add_param_group({"params": [ref[0].bias, torch.nn.Parameter(torch.zeros(1))]})
-    fresh.step()  # ref's parameters were never sharded
-    stale = early.param_groups[0]["params"][-1]
-    fresh.add_param_group({"params": [stale]})
-    _raises(ValueError, r"holds parameter '2.bias'", fresh.step)
+    stepped_model = copy.deepcopy(ref)
+    stepped = torch.optim.Adam(stepped_model.parameters())
+    stepped_model(x(0)).sum().backward()
+    stepped.step()
+    stepped_model = shard(stepped_model)
+    stepped_model(x(1)).sum().backward()
+    _raises(ValueError, r"Adam holds parameter '[\w.]+' of (Linear|Sequential) as it was before sharding "
+            r".* with optimizer state.* Build the optimizer after", stepped.step)
+    _raises(RuntimeError, "Adam holds parameter", stepped.step)  # every time, not only the first
+
+    # a group added later is looked at too; parameters never sharded are left alone
+    later = copy.deepcopy(ref)
+    original = later[2].weight
+    later = shard(later)
+    fresh = torch.optim.SGD([ref[0].bias], lr=0.1)
+    fresh.step()
+    fresh.add_param_group({"params": [original]})
+    fresh.step()
+    assert fresh.param_groups[0]["params"][0] is ref[0].bias
+    assert fresh.param_groups[1]["params"][0] is later[2].weight and isinstance(later[2].weight, DTensor)

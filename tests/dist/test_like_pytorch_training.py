@@ -1209,3 +1209,33 @@ def test_torch_save_of_a_state_dict_writes_only_the_shards_like_torch(tmp_path):
             torch.testing.assert_close(v.to_local(), sd[k].to_local(), msg=k)
     assert all(storage[0][k] <= storage[1][k] for k in storage[1]), storage  # PyTorch's hold their padding
     assert abs(sizes[0] - sizes[1]) < 0.1 * sizes[1], sizes
+
+
+# An optimizer built after a no_grad forward of a fully_shard root captures
+# the root's gathered parameters (PyTorch's root keeps them registered until
+# backward, and so does ours). At its first step it is given the sharded
+# parameters instead, so the root trains as in the unsharded model; PyTorch
+# silently leaves the root's parameters untrained.
+@multi_rank(world_sizes=(2,))
+def test_optimizer_built_after_a_no_grad_forward_trains_the_root_like_unsharded():
+    import torch.distributed as dist
+
+    ref, model = _unsharded_and_sharded()
+    with torch.no_grad():
+        model(_x(9))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    assert any(not isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])  # the root's, gathered
+    for it in range(3):
+        x = _x(it)
+        model(x).sum().backward()
+        ref(x).sum().backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+    _assert_params_equal(model, ref)

@@ -930,3 +930,31 @@ def test_activation_checkpointing_applied_after_wrapping_like_pytorch():
         assert torch.allclose(v, pt["sd"][k][1], atol=1e-6), k
     assert sw["optim keys"] == pt["optim keys"] and "blocks.1.lin2.bias" in sw["optim keys"]
     assert sw["loaded"] and pt["loaded"]
+
+
+# An optimizer built inside summon_full_params (an init or inspection block
+# that also sets up training) trains as FSDP1's does with use_orig_params: at
+# its first step it is given the sharded parameters in place of the
+# temporary full ones it captured. (Before, its step silently changed nothing.)
+@multi_rank(world_sizes=(2,))
+def test_optimizer_built_inside_summon_full_params_trains_like_pytorch():
+    import torch.distributed as dist
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    from shardwise.wrap import ModuleWrapPolicy
+
+    losses = []
+    for m in _both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), use_orig_params=True):
+        with type(m).summon_full_params(m):
+            opt = torch.optim.Adam(m.parameters(), lr=0.01)
+        seen = []
+        for i in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + dist.get_rank()))
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append(loss.item())
+        losses.append(seen)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5), losses
+    assert losses[0][0] != pytest.approx(losses[0][2], rel=1e-3)

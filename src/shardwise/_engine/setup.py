@@ -10,6 +10,7 @@ hooks (``ModuleState``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,36 +28,63 @@ from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPo
 from .module_state import ModuleState, state_of
 from .param_group import ParamGroup
 from .settings import GroupSettings
-from .sharded_param import ShardedParam
+from .sharded_param import GATHERED_FROM, ShardedParam
 
 __all__ = ["shard_modules"]
 
-# original parameter -> (description of the group that manages it, its name),
-# to refuse a parameter shared by two groups and an optimizer that still holds it.
+# original parameter -> (description of the group that manages it, its name,
+# its ShardedParam): to refuse a parameter shared by two groups, and to give an
+# optimizer that still holds it the sharded one.
 _OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# optimizer -> how many parameters it held when last checked (see _check_optimizer).
+# optimizer -> (sharding calls so far, how many parameters it held) when last
+# checked: checked again after either changes (see _check_optimizer).
 _CHECKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _HOOKED: list[Any] = []
+_SHARDINGS = [0]
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before an optimizer's step (checked again only when its parameters
-    change): refuse one that holds a parameter sharding replaced. Its step
-    would update a tensor the model no longer uses, silently."""
+    """Before an optimizer's step (again only when its parameter count
+    changes): a parameter it holds that sharding replaced, or a temporary
+    gathered one (captured inside summon_full_params, or after a forward that
+    left a group gathered), is swapped for the sharded parameter the model
+    trains; otherwise its step would silently update a tensor the model no
+    longer uses. A replaced parameter that already has optimizer state cannot
+    be swapped (its state is whole, the parameter a shard): refused."""
     count = sum(len(g["params"]) for g in optimizer.param_groups)
-    if _CHECKED.get(optimizer) == count:  # type: ignore[no-untyped-call]
+    if _CHECKED.get(optimizer) == (_SHARDINGS[0], count):  # type: ignore[no-untyped-call]
         return
-    for p in (p for g in optimizer.param_groups for p in g["params"]):
-        owner = _OWNED.get(p)  # type: ignore[no-untyped-call]
-        if owner is not None:
-            raise UsageError(
-                f"{type(optimizer).__name__} holds parameter {owner[1]!r} of {owner[0]} (shape "
-                f"{tuple(p.shape)}) as it was before sharding, which registered a sharded parameter in its "
-                "place: this step would update a tensor the model no longer uses. Build the optimizer after "
-                "fully_shard / FullyShardedDataParallel: "
-                f"{type(optimizer).__name__}(model.parameters(), ...)."
-            )
-    _CHECKED[optimizer] = count
+    settled = True
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i in reversed(range(len(params))):
+            p = params[i]
+            owned = _OWNED.get(p)  # type: ignore[no-untyped-call]
+            sp: ShardedParam | None = owned[2]() if owned is not None else getattr(p, GATHERED_FROM, None)
+            if sp is None:
+                continue
+            if owned is None and any(m._parameters.get(n) is p for m, n in sp.owners):
+                settled = False  # still registered (inside summon_full_params): a step now is legitimate
+                continue
+            if optimizer.state.get(p):
+                what = f"parameter {owned[1]!r} of {owned[0]} as it was before sharding" if owned else (
+                    f"the temporary gathered parameter of {sp.fqn}")
+                raise UsageError(
+                    f"{type(optimizer).__name__} holds {what} (shape {tuple(p.shape)}) with optimizer state, "
+                    "which cannot follow it to its sharded parameter (the state is whole, the parameter a "
+                    "shard), and the model trains only the sharded one. Build the optimizer after "
+                    f"fully_shard / FullyShardedDataParallel, from model.parameters() outside forward "
+                    f"and summon_full_params: {type(optimizer).__name__}(model.parameters(), ...)."
+                )
+            replacement = sp.sharded_param
+            if id(replacement) in held:
+                del params[i]
+            else:
+                params[i] = replacement
+                held.add(id(replacement))
+    if settled:
+        _CHECKED[optimizer] = (_SHARDINGS[0], sum(len(g["params"]) for g in optimizer.param_groups))
 
 
 def shard_modules(
@@ -105,8 +133,10 @@ def shard_modules(
         settings = GroupSettings(mp=mp_policy)
         groups.append(ParamGroup(params, sources, g_info, info.device, settings, g_raf, storage_device, desc, pin))
     del planned  # never keep the full tensors alive
+    by_name = {sp.fqn: sp for g in groups for sp in g.params}
     for orig, _, fqn in collected:
-        _OWNED[orig] = (desc, fqn)
+        _OWNED[orig] = (desc, fqn, weakref.ref(by_name[fqn]))  # weak: the original may live on in the engine
+    _SHARDINGS[0] += 1
     if not _HOOKED:
         _HOOKED.append(register_optimizer_step_pre_hook(_check_optimizer))
     for managed in _managed_modules(modules):

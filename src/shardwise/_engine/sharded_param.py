@@ -101,6 +101,11 @@ def sharded_spec(
     return mesh, (*dp, *tp_spec.placements)
 
 
+# Set on each temporary gathered parameter: the ShardedParam it belongs to
+# (an optimizer that captured one is given the sharded parameter instead).
+GATHERED_FROM = "_shardwise_gathered_from"
+
+
 def own_storage(view: torch.Tensor) -> torch.Tensor:
     """``view`` (a view into a larger buffer) as a tensor over the same memory
     whose storage is exactly its span. See [Note: shards with a storage of
@@ -378,6 +383,7 @@ class ShardedParam:
                 if self.tp_spec is not None:
                     t = make_dtensor(t, self.tp_spec.mesh, self.tp_spec.placements, self.global_shape)
                 p = nn.Parameter(t, requires_grad=self.requires_grad)
+                setattr(p, GATHERED_FROM, self)
             self.unsharded_param = p
             self._in_group_buffer = storage is not None
         else:
@@ -452,6 +458,7 @@ class ShardedParam:
                 unsharded, self.full_shape, _contiguous_stride(self.full_shape), storage_offset=0
             )
             self.unsharded_param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
+            setattr(self.unsharded_param, GATHERED_FROM, self)
         self.extension_metadata = None
 
     def grad_local(self, grad: torch.Tensor) -> torch.Tensor:
