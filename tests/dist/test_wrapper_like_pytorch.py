@@ -958,3 +958,39 @@ def test_optimizer_built_inside_summon_full_params_trains_like_pytorch():
         losses.append(seen)
     assert losses[0] == pytest.approx(losses[1], rel=1e-5), losses
     assert losses[0][0] != pytest.approx(losses[0][2], rel=1e-3)
+
+
+# summon_full_params between a forward and its backward under a low
+# param_dtype: the summon's full-precision parameters stand in for the units'
+# param_dtype ones, which are set aside and given back, so the backward finds
+# what autograd saved (before, it failed: "setStorage ... out of bounds").
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+@multi_rank(world_sizes=(2,))
+def test_summon_between_forward_and_backward_with_mixed_precision_like_pytorch(param_dtype):
+    import torch.distributed as dist
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    import shardwise
+    from shardwise.wrap import ModuleWrapPolicy
+
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        seen = []
+        for m in _both(
+            ModuleWrapPolicy({Block}), TorchPolicy({Block}), use_orig_params=True,
+            mixed_precision=shardwise.MixedPrecision(param_dtype=param_dtype),
+            sharding_strategy=shardwise.ShardingStrategy[strategy],
+        ):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            got = []
+            for i in range(2):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + dist.get_rank()))
+                loss = m(x).float().square().mean()
+                with type(m).summon_full_params(m):
+                    got.append(sorted({p.dtype for p in m.parameters()}, key=str))
+                    got.append(round(sum(p.double().sum().item() for p in m.parameters()), 4))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                got.append(round(loss.item(), 5))
+            seen.append(got)
+        assert seen[0] == seen[1], (strategy, seen)

@@ -222,6 +222,9 @@ class ParamGroup:
         self._registered_unsharded = False
         # Open summon_full_params contexts holding this group's full parameters.
         self.summon_depth = 0
+        # What a summon set aside (see summon): the param_dtype gathered
+        # parameters a backward still needs.
+        self._kept: tuple[Any, ...] | None = None
         # The fast path's unsharded parameters: one buffer (storage freed when
         # sharded) and each parameter's plain tensor over it.
         self._unsharded_flat: torch.Tensor | None = None
@@ -511,14 +514,42 @@ class ParamGroup:
         if self.is_unsharded and all(u is not None and u.dtype == p.orig_dtype for u, p in zip(full, self.params)):
             self._register_unsharded()
             return
-        self.reshard()
+        low = [u is not None and u.dtype != p.orig_dtype for u, p in zip(full, self.params)]
+        if self.summon_depth == 1 and any(low) and not any(p.has_extensions for p in self.params):
+            # The param_dtype parameters autograd saved in a forward whose
+            # backward is still to come (gathered now: the root, ZeRO-2 units;
+            # or freed, to be gathered again into the same memory): set them
+            # aside for the summon's full-precision ones, and restore them after.
+            if self.sharded_state == ShardedState.SHARDED_POST_FORWARD or self._in_flight is not None:
+                self.reshard()
+            self._kept = (
+                self._unsharded_flat, self._unsharded_locals, self._registered_unsharded, self.is_unsharded,
+                [(p.unsharded_param, p._in_group_buffer) for p in self.params],
+            )
+            self._unsharded_flat, self._unsharded_locals = None, []
+            for p in self.params:
+                p.unsharded_param, p._in_group_buffer = None, False
+            self.sharded_state = ShardedState.SHARDED
+            self._registered_unsharded = False
+        else:
+            self.reshard()
         self.unshard(full_precision=True)
 
     def end_summon(self) -> None:
-        """Leave a summon_full_params context; reshard when the outermost ends."""
+        """Leave a summon_full_params context; reshard when the outermost ends
+        (and give back parameters a backward still needs)."""
         self.summon_depth = max(0, self.summon_depth - 1)
         if self.summon_depth == 0:
             self.reshard()
+            kept, self._kept = self._kept, None
+            if kept is not None:
+                self._unsharded_flat, self._unsharded_locals, registered, gathered, params = kept
+                for p, (up, in_buffer) in zip(self.params, params):
+                    p.unsharded_param, p._in_group_buffer = up, in_buffer
+                if gathered:
+                    self.sharded_state = ShardedState.UNSHARDED
+                    if registered:
+                        self._register_unsharded()
 
     def reshard_for_state_dict(self) -> None:
         """State dicts see the sharded parameters, except inside summon_full_params
