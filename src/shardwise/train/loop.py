@@ -391,6 +391,21 @@ def _loopback_interface() -> str | None:
     return next((n for n in names if n == "lo" or n.startswith("lo")), None)
 
 
+def _start_method() -> str:
+    """``forkserver`` where there is one, its server importing this module (and
+    so torch) once, then forking every rank from it: each rank starts without
+    importing torch anew (seconds each on a small machine), and nothing this
+    process has run is inherited, as with ``spawn`` (the fallback)."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    # read when the server starts: the first launch of this process, with the
+    # environment set above
+    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
+    return "forkserver"
+
+
 def launch(plan: Plan) -> None:
     """Run the training: this process as one rank under torchrun, else
     ``world.size`` spawned local processes (gloo or NCCL over 127.0.0.1).
@@ -419,8 +434,8 @@ def launch(plan: Plan) -> None:
     cfg = plan.cfg
     try:
         context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-            run_rank, args=(plan.world.size, plan, store.port), nprocs=plan.world.size, start_method="spawn",
-            join=False,
+            run_rank, args=(plan.world.size, plan, store.port), nprocs=plan.world.size,
+            start_method=_start_method(), join=False,
         )
         supervise(context, store, plan.world.size,
                   lambda: checkpoint_hint(cfg.checkpoint_dir, bool(cfg.checkpoint_every or cfg.stop_at)))
