@@ -14,8 +14,14 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 # torch >= 2.13 names them *_single (the *_tensor names warn); older torch has only those.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_AG_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_RS_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+# As imported; looked up again at every call, so that a replacement (PyTorch's
+# test utilities patch_all_gather / patch_reduce_scatter assign these
+# attributes to count, delay or check collectives) is called as under
+# PyTorch's FSDP, and gloo's in-place path stands aside for it.
+_ORIGINAL_AG = getattr(dist, _AG_NAME)
+_ORIGINAL_RS = getattr(dist, _RS_NAME)
 
 __all__ = ["Comm", "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter", "FreshBuffers", "WorkHandle"]
 
@@ -83,9 +89,10 @@ def all_gather_tensor(
     bytes: gloo has no float8 type, and an all-gather moves bytes unchanged."""
     if input_tensor.dtype.is_floating_point and input_tensor.dtype.itemsize == 1:
         output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-    if _in_place_gloo(group, output_tensor, input_tensor):
+    all_gather = getattr(dist, _AG_NAME)
+    if all_gather is _ORIGINAL_AG and _in_place_gloo(group, output_tensor, input_tensor):
         return _finish(gloo_all_gather(output_tensor, input_tensor, group), async_op)
-    return cast("WorkHandle | None", _all_gather(output_tensor, input_tensor, group=group, async_op=async_op))
+    return cast("WorkHandle | None", all_gather(output_tensor, input_tensor, group=group, async_op=async_op))
 
 
 def reduce_scatter_tensor(
@@ -97,9 +104,12 @@ def reduce_scatter_tensor(
 ) -> WorkHandle | None:
     """``torch.distributed``'s reduce-scatter into one tensor, under its current name
     (over two gloo ranks an all-to-all, see [Note: gloo without its copies])."""
-    if op == dist.ReduceOp.SUM and _in_place_gloo(group, output_tensor, input_tensor) and group.size() == 2:
+    reduce_scatter = getattr(dist, _RS_NAME)
+    if (reduce_scatter is _ORIGINAL_RS and op == dist.ReduceOp.SUM and _in_place_gloo(group, output_tensor, input_tensor)
+            and group.size() == 2):
         return _finish(gloo_reduce_scatter(output_tensor, input_tensor, group), async_op)
-    return cast("WorkHandle | None", _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op))
+    return cast("WorkHandle | None",
+                reduce_scatter(output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op))
 
 
 # [Note: gloo without its copies]

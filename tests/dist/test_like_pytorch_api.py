@@ -845,6 +845,111 @@ def test_all_gather_extensions_are_called():
     assert calls["shardwise"] == calls["torch"], calls
 
 
+# Hooks attached to the local shard itself after fully_shard (as
+# test_fully_shard_extensions' monkey-patch test does): PyTorch looks them up at
+# the all-gather, so they apply. Before, shardwise decided at fully_shard and
+# silently gathered the unrounded fp32 weights.
+def _bf16_pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+    _EXT_CALLS.append("pre")
+    return (self.to(torch.bfloat16),), None
+
+
+@torch.no_grad()
+def _bf16_post(self, outputs, metadata, param_dtype, *, out=None):
+    (t,) = outputs
+    if out is not None:
+        out.copy_(t)
+        return None
+    full = t.to(param_dtype)
+    return full, (t, full)
+
+
+@multi_rank(world_sizes=(2,))
+def test_extension_hooks_attached_to_the_local_shard_after_fully_shard():
+    got = {}
+    for name, fs in (("torch", _pt()), ("shardwise", _sw())):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+        for lin in m:
+            # (gathered again in backward, PyTorch's refill through out= fails
+            # autograd's version check)
+            fs(lin, reshard_after_forward=False)
+        fs(m)
+        for p in m.parameters():
+            local = p._local_tensor
+            local.fsdp_pre_all_gather = _bf16_pre.__get__(local)
+            local.fsdp_post_all_gather = _bf16_post.__get__(local)
+        _EXT_CALLS.clear()
+        outs = []
+        for it in range(2):
+            y = m(_x(it))
+            y.sum().backward()
+            outs.append(y.detach())
+        got[name] = (outs, [p.grad.full_tensor() for p in m.parameters()], len(_EXT_CALLS))
+    (out_t, grads_t, calls_t), (out_s, grads_s, calls_s) = got["torch"], got["shardwise"]
+    assert calls_s == calls_t > 0
+    torch.testing.assert_close(out_s, out_t, rtol=0, atol=0)
+    torch.testing.assert_close(grads_s, grads_t)
+
+
+# PyTorch's test utilities (common_fsdp.patch_all_gather / patch_reduce_scatter)
+# replace torch.distributed's collectives to count, delay or check them; FSDP
+# must call the replacements. Before, shardwise had bound the originals at
+# import and called none. The 1024x512 weight's shards take gloo's in-place
+# path when nothing is patched.
+@multi_rank(world_sizes=(2,))
+def test_replaced_collectives_are_called_like_torch():
+    names = ("all_gather_single", "reduce_scatter_single")
+    originals = {n: getattr(dist, n) for n in names}
+    got = {}
+    for name, fs in (("torch", _pt()), ("shardwise", _sw())):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 8))
+        for lin in m:
+            fs(lin)
+        fs(m)
+        seen: list[tuple[str, torch.dtype, int]] = []
+
+        def counting(n):
+            def call(*args, **kwargs):
+                out = args[0] if args else kwargs["output"]
+                seen.append((n, out.dtype, out.numel()))
+                return originals[n](*args, **kwargs)
+            return call
+
+        dist.barrier()
+        for n in names:
+            setattr(dist, n, counting(n))
+        try:
+            for it in range(2):
+                m(_x(it, dim=1024)).sum().backward()
+        finally:
+            dist.barrier()
+            for n in names:
+                setattr(dist, n, originals[n])
+        got[name] = (sorted(seen), [p.grad.full_tensor() for p in m.parameters()])
+    assert got["shardwise"][0] == got["torch"][0]
+    torch.testing.assert_close(got["shardwise"][1], got["torch"][1])
+
+
+# torch.func.jvp through a sharded module whose inputs need gradients: the
+# post-backward identity must be a functorch-ready autograd.Function.
+@multi_rank(world_sizes=(2,))
+def test_forward_mode_jvp_through_a_sharded_module():
+    got = {}
+    for name, fs in (("torch", _pt()), ("shardwise", _sw())):
+        torch.manual_seed(0)
+        enc, dec = nn.Linear(8, 16, bias=False), nn.Linear(16, 4, bias=False)
+        for m in (enc, dec):
+            fs(m, reshard_after_forward=False)
+        e = enc(torch.randn(8))  # needs gradients: dec's inputs get the post-backward identity
+        primal, tangent = torch.randn(16), torch.randn(16)
+        out, t_out = torch.func.jvp(lambda u: dec(e), (primal,), (tangent,))
+        out2, t_out2 = torch.func.jvp(lambda u: dec(e.detach() + u), (primal,), (tangent,))
+        got[name] = [t.detach() for t in (out, t_out, out2, t_out2)]
+    torch.testing.assert_close(got["shardwise"], got["torch"])
+
+
 # Errors PyTorch's own tests match by message: ours start with PyTorch's words
 # (same exception class), then say how to fix the call.
 @multi_rank(world_sizes=(2,))

@@ -29,7 +29,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from shardwise.errors import ConfigTypeError
 from shardwise.policies import MixedPrecisionPolicy
 
-from .param_group import IterationContext, ParamGroup
+from .param_group import IterationContext, ParamGroup, TrainingState
 from .trace import trace
 from .trees import cast_floats, map_tensors
 
@@ -81,12 +81,19 @@ def state_of(module: nn.Module) -> ModuleState | None:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on the module's inputs whose backward triggers post-backward."""
+    """Identity on the module's inputs whose backward triggers post-backward.
+    (Forward and ``setup_context`` apart, so that functorch transforms such as
+    ``torch.func.jvp`` accept it.)"""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
+    def forward(state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return inputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.state = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -243,21 +250,53 @@ class ModuleState:
                 group.set_reshard_after_forward(False)
 
     # ---- forward --------------------------------------------------------------
+    # [Note: modules sharded together]
+    # fully_shard([a, b, ...]) makes one group of several modules. Its forward
+    # starts with the first of them to run (gather, prefetch, post-backward
+    # on its inputs) and ends with the last (reshard, pre-backward hook), as
+    # PyTorch's grouped hooks do; every member in between gets its inputs
+    # cast, the group gathered again if a backward in between resharded it (a
+    # member called on its own per chunk of a loss), and the group's
+    # pre-backward hook on its outputs, so that whatever runs of the group
+    # finds it gathered in backward. A member that never runs leaves the
+    # group to the root's post-forward, which completes it (its pre-backward
+    # hook also on the root's outputs); the end of backward forgets what was
+    # left. A member recomputed in backward (activation checkpointing) only
+    # finds the group gathered: the post-backward reshards it.
     @dynamo_disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if len(self.modules) > 1:
-            if self._modules_to_run:
-                return args, kwargs  # the group's forward already started
-            self._modules_to_run = {id(m) for m in self.modules}
+            if torch._C._current_graph_task_id() != -1:  # recomputed in backward
+                return self._member_pre_forward(args, kwargs, recompute=True)
+            if self._modules_to_run and all(g.training_state == TrainingState.FORWARD for g in self.groups):
+                return self._member_pre_forward(args, kwargs, recompute=False)
+            if not self._modules_to_run:
+                self._modules_to_run = {id(m) for m in self.modules}
         return self.pre_forward(args, kwargs)
 
     @dynamo_disable
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if len(self.modules) > 1:
-            self._modules_to_run.discard(id(module))
-            if self._modules_to_run:
-                return output
+            recompute = torch._C._current_graph_task_id() != -1
+            if not recompute and id(module) in self._modules_to_run:
+                self._modules_to_run.discard(id(module))
+                if not self._modules_to_run:
+                    return self.post_forward(output)
+            if self.mp.output_dtype is not None:
+                output = cast_floats(output, self.mp.output_dtype)
+            if not recompute and torch.is_grad_enabled():
+                self._register_pre_backward(output)
+            return output
         return self.post_forward(output)
+
+    def _member_pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], recompute: bool) -> tuple[Any, Any]:
+        """A later member of a group of modules, or one recomputed in backward:
+        see [Note: modules sharded together]."""
+        if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
+            args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
+        for group in self.groups:
+            group.ensure_unsharded()
+        return args, kwargs
 
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         self.lazy_init()
@@ -281,14 +320,17 @@ class ModuleState:
             if self.mp.output_dtype is not None:
                 output = cast_floats(output, self.mp.output_dtype)
             if torch.is_grad_enabled():
-                tensors = _tensors_requiring_grad(output)
-                if self.warn_view_outputs and any(t._base is not None for t in tensors):
-                    self._warn_view_output()
-                if tensors:
-                    register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+                self._register_pre_backward(output)
             if self.is_root:
-                self._root_post_forward()
+                self._root_post_forward(output)
         return output
+
+    def _register_pre_backward(self, output: Any) -> None:
+        tensors = _tensors_requiring_grad(output)
+        if self.warn_view_outputs and any(t._base is not None for t in tensors):
+            self._warn_view_output()
+        if tensors:
+            register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
 
     def _warn_view_output(self) -> None:
         names = ", ".join(type(m).__name__ for m in self.modules) or "?"
@@ -306,16 +348,18 @@ class ModuleState:
             return x.to(self.device, non_blocking=True)
         return x
 
-    def _root_post_forward(self) -> None:
+    def _root_post_forward(self, output: Any) -> None:
         ctx = self.ctx
         ctx.freeze_forward_order()
         for state in ctx.states:
             if state is self:
                 continue
-            if state._modules_to_run:  # a list-group some of whose modules never ran
+            if state._modules_to_run:  # a group of modules some of which never ran
                 state._modules_to_run.clear()
                 for group in state.groups:
                     group.post_forward()
+                if torch.is_grad_enabled():
+                    state._register_pre_backward(output)
             for group in state.groups:
                 group.drop_unused_prefetch()
 
@@ -350,6 +394,7 @@ class ModuleState:
         with trace("shardwise::finalize_backward"):
             try:
                 for state in ctx.states:
+                    state._modules_to_run.clear()  # members called on their own (chunks of a loss)
                     for group in state.groups:
                         group.finalize_backward()
                 # Gradients are installed at the end of every backward; the last

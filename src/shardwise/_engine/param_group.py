@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any, Generic, TypeVar, cast
@@ -46,7 +45,6 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 import torch.nn as nn
-from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 import shardwise.observe as observe
 from shardwise.comm import WorkHandle
@@ -58,7 +56,7 @@ from shardwise.policies import MixedPrecisionPolicy
 from . import collectives as coll
 from .plan import GroupPlan
 from .settings import GroupSettings
-from .sharded_param import ShardedParam, ShardedState, alloc_storage, free_storage
+from .sharded_param import ShardedParam, ShardedState, _same_version, alloc_storage, free_storage
 from .trace import trace
 
 # The module state type (module_state.ModuleState, which imports this module).
@@ -316,6 +314,11 @@ class ParamGroup:
         replaced, so the flat buffer is again what the module holds."""
         self.needs_readopt = False
         if all(p.local_is_adopted() for p in self.params):
+            # all-gather extension hooks attached to the local shards since
+            # fully_shard: plan the group's gathers through them
+            if self.sharded_state == ShardedState.SHARDED and any([p.check_extensions() for p in self.params]):
+                self.plan = GroupPlan(self.params, self.flat_sharded is not None)
+                self._unsharded_flat = None
             return
         if self.sharded_state != ShardedState.SHARDED:
             self.reshard()
@@ -471,6 +474,13 @@ class ParamGroup:
                 self._finish_packed_all_gather(cast(tuple[coll.PackedGatherResult, ...], result))
         self._post_forward_data = None
         self.sharded_state = ShardedState.UNSHARDED
+        self._register_unsharded()
+
+    def ensure_unsharded(self) -> None:
+        """Gathered and shown on the modules now, whatever happened since the
+        group's forward began (see [Note: modules sharded together])."""
+        self.unshard(async_op=True)
+        self.wait_for_unshard()
         self._register_unsharded()
 
     def _register_unsharded(self) -> None:
@@ -869,12 +879,6 @@ _PLAIN_TYPES = (torch.Tensor, nn.Parameter, FakeTensor)
 """Tensors laid out in the flat buffers; other subclasses (all-gather
 extensions such as torchao's float8 weights) get a buffer each. Fake tensors
 (the planner's) stand for plain ones."""
-
-
-def _same_version(t: torch.Tensor) -> AbstractContextManager[Any]:
-    """Writes inside leave ``t``'s autograd version unchanged (as PyTorch's
-    all-gather copy-out does); inference tensors have no version."""
-    return nullcontext() if t.is_inference() else _unsafe_preserve_version_counter(t)
 
 
 def unsharded_bytes(group: ParamGroup) -> int:

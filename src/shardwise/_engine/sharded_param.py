@@ -4,6 +4,7 @@ exists only while its module computes)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from enum import Enum, auto
 import inspect
 from typing import Any, cast
@@ -11,6 +12,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 import torch.utils.dlpack
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
@@ -233,12 +235,8 @@ class ShardedParam:
         self.full_shape = local_param.shape  # what FSDP chunks (TP-local for DTensors)
         self.layout = ShardLayout.make(self.full_shape, shard_dim, info.shard_size, info.shard_rank)
         self.spmd_mesh, self.spmd_placements = sharded_spec(info, shard_dim, self.tp_spec)
-        self.has_extensions = hasattr(local_param, "fsdp_pre_all_gather")
-        if self.has_extensions != hasattr(local_param, "fsdp_post_all_gather"):
-            raise ConfigError(
-                f"parameter {fqn!r} ({type(local_param).__name__}) defines only one of "
-                "fsdp_pre_all_gather / fsdp_post_all_gather; all-gather extensions need both."
-            )
+        self.has_extensions = False
+        self.check_extensions(local_param)
         # Filled by ParamGroup._init_storage (and again when shards are replaced).
         self.sharded_data: torch.Tensor = torch.empty(0)
         self.sharded_param: nn.Parameter = param
@@ -402,13 +400,30 @@ class ShardedParam:
             free_storage(self.unsharded_local())
 
     # ---- all-gather extensions ----------------------------------------------
+    def check_extensions(self, local: torch.Tensor | None = None) -> bool:
+        """Whether the local shard (its type, or the tensor itself: PyTorch's
+        tests attach the hooks to ``param.to_local()`` after ``fully_shard``)
+        defines the all-gather extension hooks, as PyTorch looks them up;
+        returns whether that changed."""
+        if local is None:
+            local = local_of(self.sharded_param)
+        has = hasattr(local, "fsdp_pre_all_gather")
+        if has != hasattr(local, "fsdp_post_all_gather"):
+            raise ConfigError(
+                f"parameter {self.fqn!r} ({type(local).__name__}) defines only one of "
+                "fsdp_pre_all_gather / fsdp_post_all_gather; all-gather extensions need both."
+            )
+        changed, self.has_extensions = has != self.has_extensions, has
+        return changed
+
     def extension_inputs(self, module: nn.Module, mp: Any, device: torch.device) -> list[torch.Tensor]:
         """Call ``fsdp_pre_all_gather`` on this rank's padded shard: the 1-D
         tensors to all-gather (their sizes and the metadata are kept)."""
         shard: Any = self.sharded_data
         if shard.device != device:
             shard = shard.to(device, non_blocking=True)
-        pre = shard.fsdp_pre_all_gather
+        # hooks attached to the DTensor's local tensor itself (not its type)
+        pre = getattr(shard, "fsdp_pre_all_gather", None) or local_of(self.sharded_param).fsdp_pre_all_gather
         if len(inspect.signature(pre).parameters) == 1:  # the older one-argument form
             inputs, self.extension_metadata = pre(self.info.shard_mesh)
         else:
@@ -449,7 +464,9 @@ class ShardedParam:
         if self.unsharded_param is not None:
             for t in self.extension_inner:
                 alloc_storage(t)
-            post(outputs, self.extension_metadata, dtype, out=self.unsharded_param)
+            # refilled in place: autograd's saved copy must not look modified
+            with _same_version(self.unsharded_param):
+                post(outputs, self.extension_metadata, dtype, out=self.unsharded_param)
         else:
             unsharded, inner = post(outputs, self.extension_metadata, dtype)
             self.extension_inner = tuple(inner)
@@ -515,3 +532,9 @@ class ShardedParam:
     @property
     def has_post_accumulate_grad_hooks(self) -> bool:
         return bool(getattr(self.sharded_param, "_post_accumulate_grad_hooks", None))
+
+
+def _same_version(t: torch.Tensor) -> AbstractContextManager[Any]:
+    """Writes inside leave ``t``'s autograd version unchanged (as PyTorch's
+    all-gather copy-out does); inference tensors have no version."""
+    return nullcontext() if t.is_inference() else _unsafe_preserve_version_counter(t)
