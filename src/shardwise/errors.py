@@ -15,6 +15,7 @@ __all__ = [
     "UnsupportedError",
     "AlreadyShardedError",
     "MixedDtypeError",
+    "ShardDimError",
     "CommHookError",
 ]
 
@@ -60,6 +61,10 @@ class UnsupportedError(ConfigError, NotImplementedError):
 
 class AlreadyShardedError(ConfigError, AssertionError):
     """fully_shard applied twice to one module (PyTorch asserts)."""
+
+
+class ShardDimError(ConfigError, AssertionError):
+    """shard_placement_fn chose a dim the parameter does not have (PyTorch asserts)."""
 
 
 class MixedDtypeError(ConfigError, AssertionError):

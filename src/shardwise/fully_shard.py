@@ -272,7 +272,19 @@ class FSDPModule:
         compatibility; the hook runs on the current stream."""
         if not callable(hook):
             raise ConfigTypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}.")
-        for group in self._groups(recurse=False):
+        groups = list(self._groups(recurse=False))
+        if len(groups) > 1:
+            raise ConfigError(
+                "set_all_reduce_hook is not supported with multiple param groups (from per-param mesh "
+                f"via shard_placement_fn): {self._get_fsdp_state().name} has {len(groups)}, and the hook "
+                "would be ambiguous across their meshes. Set it on a module whose parameters share one mesh."
+            )
+        if stream is not None and any(g.info.replicate_group is not None for g in groups):
+            raise ConfigError(
+                "stream cannot be set when using native HSDP: the hook runs where the HSDP all-reduce "
+                "does. Call set_all_reduce_hook(hook) without stream."
+            )
+        for group in groups:
             group.settings.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: torch.Event) -> None:
@@ -504,7 +516,8 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
             raise ConfigTypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}.")
         if state_of(m) is not None:
             raise AlreadyShardedError(
-                f"fully_shard was already applied to this {type(m).__name__}; apply it once per "
+                "Each distinct composable distributed API can only be applied to a module once. "
+                f"fully_shard has already been applied to this {type(m).__name__}; apply it once per "
                 "module (to group several modules, pass them together as a list)."
             )
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:

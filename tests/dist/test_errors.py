@@ -24,7 +24,7 @@ def test_fully_shard_twice():
 
     m = nn.Linear(4, 4)
     fully_shard(m)
-    _raises(ValueError, "already applied", fully_shard, m)
+    _raises(ValueError, "can only be applied to a module once", fully_shard, m)
 
 
 @multi_rank(world_sizes=(2,))

@@ -977,6 +977,69 @@ def test_error_messages_begin_with_pytorchs_words():
         assert str(sw).startswith(words), (what, str(pt), str(sw))
 
 
+# More errors whose type and opening words PyTorch's tests match (found by
+# porting test_fully_shard_state / _init / _dtensor): the regex PyTorch's tests
+# use must find our message too.
+def _meta_forward(fs):
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        fs(m[0])
+        fs(m)
+    m(torch.randn(2, 8))
+
+
+def _child_first(fs):
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fs(m[0])
+    fs(m)
+    m[0](torch.randn(2, 8))
+    m(torch.randn(2, 8))
+
+
+def _list_root(fs):
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fs([m[0], m[1]])
+    m[0](torch.randn(2, 8))
+
+
+def _hsdp_hook_stream(fs):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    fs(nn.Linear(8, 8), mesh=mesh).set_all_reduce_hook(lambda g: None, stream=torch.Stream("cpu"))
+
+
+@multi_rank(world_sizes=(2,))
+def test_more_errors_match_pytorchs_patterns():
+    import re
+
+    from torch.distributed.tensor import Shard
+
+    cases = {
+        "twice": (lambda fs: fs(fs(nn.Linear(4, 4))),
+                  "Each distinct composable distributed API can only be applied to a module once"),
+        "meta": (_meta_forward, "FSDP parameters should be materialized from meta device before training"),
+        "child first": (_child_first, "FSDP state has already been lazily initialized for 0\n"
+                                      "FSDP requires running forward through the root module first"),
+        "list root": (_list_root, "FSDP requires a single root module but got"),
+        "Shard(1) of 1-D": (lambda fs: fs(nn.LayerNorm(4), shard_placement_fn=lambda p: Shard(1)),
+                            "Shard dim 1 is invalid for 1D tensor"),
+        "HSDP hook stream": (_hsdp_hook_stream, "stream cannot be set when using native HSDP"),
+    }
+    for what, (call, pattern) in cases.items():
+        got = {}
+        for name, fs in (("pt", _pt()), ("sw", _sw())):
+            try:
+                call(fs)
+                got[name] = None
+            except Exception as e:  # noqa: BLE001
+                got[name] = e
+        pt, sw = got["pt"], got["sw"]
+        assert pt is not None and re.search(pattern, str(pt)), (what, pt)
+        assert isinstance(sw, type(pt)), (what, pt, sw)
+        assert re.search(pattern, str(sw)), (what, str(sw))
+
+
 # A sharded module returning a view that needs gradients: PyTorch's fully_shard
 # warns (an in-place op on it would drop the pre-backward hook); so do we, with
 # the same words; an output that is no view, or a no-grad forward, is silent.

@@ -626,13 +626,13 @@ def _error_cases(mesh):
             spmd_model(dict(shard="dp"), param_mesh=unnamed, fs_mesh=unnamed), ValueError, ConfigError,
             "must have mesh_dim_names"),
         "plain parameter": (
-            spmd_model(dict(shard="dp"), plain=True), ValueError, ConfigError, "must be a DTensor on the whole SPMD mesh"),
+            spmd_model(dict(shard="dp"), plain=True), ValueError, ConfigError, "all parameters must be DTensors on the full SPMD mesh"),
         "parameter sharded on the dp dim": (
             spmd_model(dict(shard="dp"), placements=[Shard(0), Replicate()]), ValueError, ConfigError,
-            "must be Replicate() on the data-parallel mesh dims; found S(0) on 'dp'"),
+            "Expected Replicate() on DP shard dim 'dp' (index 0) but got S(0)"),
         "parameter on another mesh": (
             spmd_model(dict(shard="dp"), param_mesh=world), ValueError, ConfigError,
-            "must be DTensors on the mesh passed to fully_shard"),
+            "same mesh passed to fully_shard, but got different mesh objects"),
         "one dim both shard and replicate": (
             spmd_model(dict(shard="dp", replicate="dp")), RuntimeError, ConfigError,
             "as both a shard and a replicate dim"),

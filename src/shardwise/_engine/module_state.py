@@ -88,7 +88,7 @@ class _PostBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return inputs
 
     @staticmethod
@@ -203,7 +203,8 @@ class ModuleState:
             return
         if len(self.modules) > 1:
             raise RuntimeError(
-                "FSDP requires a single root module: the first forward ran through a module "
+                f"FSDP requires a single root module but got {len(self.modules)} modules: the first "
+                "forward ran through a module "
                 f"sharded together with others ({len(self.modules)} modules in one fully_shard call). "
                 "Apply fully_shard to their common parent and run forward through it."
             )
@@ -225,7 +226,8 @@ class ModuleState:
                     if state.is_root:
                         self.is_root = None
                         raise RuntimeError(
-                            f"FSDP requires running forward through the root module first: "
+                            f"FSDP state has already been lazily initialized for {name}\n"
+                            "FSDP requires running forward through the root module first: "
                             f"{name} ({state.name}) ran forward on its own before its parent "
                             f"{self.name}. Run the whole model's forward first."
                         )
@@ -244,6 +246,16 @@ class ModuleState:
                 if i:
                     group.name += f" [mesh {i}]"
                 group.reset_sharded_params()
+        on_meta = [p.fqn for state in states for group in state.groups for p in group.params
+                   if p.sharded_param.device.type == "meta"]
+        if on_meta:
+            self.is_root = None
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, but the "
+                f"following were still on meta device: {on_meta}\nFor example, call "
+                "module.to_empty(device=...) to materialize them and reset_parameters() on each "
+                "module (or your init function) to initialize values."
+            )
         if self.auto_reshard_after_forward:
             # The root's backward starts right after its forward: keep its params.
             for group in self.groups:

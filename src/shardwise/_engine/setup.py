@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
+from shardwise.errors import ConfigError, ConfigTypeError, ShardDimError, UnsupportedError, UsageError
 from shardwise.mesh import MeshInfo, mesh_info, mesh_info_of, replicate_info, resolve_reshard_after_forward
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -328,8 +328,9 @@ def _placement(
         )
     dim = placement.dim if placement.dim >= 0 else placement.dim + p.ndim
     if not 0 <= dim < p.ndim:
-        raise ConfigError(
-            f"shard_placement_fn returned Shard({placement.dim}) for {fqn} of shape "
+        raise ShardDimError(
+            f"Shard dim {placement.dim} is invalid for {p.ndim}D tensor: shard_placement_fn returned "
+            f"Shard({placement.dim}) for {fqn} of shape "
             f"{tuple(p.shape)}; the dim must be in [-{p.ndim}, {p.ndim})."
         )
     local_shape = (p._local_tensor if isinstance(p, DTensor) else p).shape

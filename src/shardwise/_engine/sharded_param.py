@@ -61,7 +61,7 @@ def sharded_spec(
     if tp_spec is None:
         if info.spmd_mesh is not None:
             raise ConfigError(
-                "with dp_mesh_dims every parameter must be a DTensor on the whole SPMD mesh "
+                "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
                 "(e.g. from distribute_module / parallelize_module); found a plain tensor. "
                 "Distribute it (Replicate() on the data-parallel dims) first."
             )
@@ -69,19 +69,21 @@ def sharded_spec(
     split = tp_spec.num_shards_map[shard_dim]
     fsdp: Placement = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
     if info.spmd_mesh is not None:  # dp_mesh_dims: the parameter is on the whole mesh already
-        if tp_spec.mesh != info.spmd_mesh:
+        if tp_spec.mesh is not info.spmd_mesh:
             raise ConfigError(
-                "with dp_mesh_dims, parameters must be DTensors on the mesh passed to "
-                f"fully_shard ({info.spmd_mesh}); found one on {tp_spec.mesh}."
+                "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
+                f"different mesh objects ({tp_spec.mesh} and {info.spmd_mesh}); with dp_mesh_dims, "
+                "distribute the parameters on the very mesh object given to fully_shard."
             )
         placements = list(tp_spec.placements)
         for i in info.spmd_dp_dims:
             if not isinstance(placements[i], Replicate):
                 names = info.spmd_mesh.mesh_dim_names or ()
                 raise ConfigError(
-                    f"with dp_mesh_dims, parameters must be Replicate() on the data-parallel mesh "
-                    f"dims; found {placements[i]} on {names[i]!r}. Distribute them with "
-                    "Replicate() there and let fully_shard shard them."
+                    f"Expected Replicate() on DP {'shard' if i == info.spmd_shard_dim else 'replicate'} dim "
+                    f"{names[i]!r} (index {i}) but got {placements[i]}: "
+                    "with dp_mesh_dims, parameters must be Replicate() on the data-parallel mesh "
+                    "dims. Distribute them with Replicate() there and let fully_shard shard them."
                 )
         # split: TP shards on the same dim to the right of the dp dim.
         split = 1
@@ -423,7 +425,7 @@ class ShardedParam:
         if shard.device != device:
             shard = shard.to(device, non_blocking=True)
         # hooks attached to the DTensor's local tensor itself (not its type)
-        pre = getattr(shard, "fsdp_pre_all_gather", None) or local_of(self.sharded_param).fsdp_pre_all_gather
+        pre = getattr(shard, "fsdp_pre_all_gather", None) or getattr(local_of(self.sharded_param), "fsdp_pre_all_gather")
         if len(inspect.signature(pre).parameters) == 1:  # the older one-argument form
             inputs, self.extension_metadata = pre(self.info.shard_mesh)
         else:
