@@ -994,3 +994,37 @@ def test_summon_between_forward_and_backward_with_mixed_precision_like_pytorch(p
                 got.append(round(loss.item(), 5))
             seen.append(got)
         assert seen[0] == seen[1], (strategy, seen)
+
+
+# Code that mixes imports (or a helper whose default argument is bound to
+# PyTorch's class, as common_fsdp's parity helper is) hands PyTorch's own enum
+# members and config objects to shardwise's wrapper; device_id may be a string,
+# as PyTorch's tests pass it. They are taken as ours: training and the full
+# state dict equal PyTorch's FSDP1 given the same objects. Before: refused as
+# "must be a CPUOffload or None" / "device_id must be an int".
+@multi_rank(world_sizes=(2,))
+def test_pytorchs_own_config_objects_and_device_strings():
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    kw = dict(
+        sharding_strategy=tfsdp.ShardingStrategy.SHARD_GRAD_OP,
+        cpu_offload=tfsdp.CPUOffload(),
+        backward_prefetch=tfsdp.BackwardPrefetch.BACKWARD_POST,
+        mixed_precision=tfsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        device_id="cpu",
+    )
+    base = _base()
+    ours = shardwise.FullyShardedDataParallel(copy.deepcopy(base), **kw)
+    theirs = tfsdp.FullyShardedDataParallel(copy.deepcopy(base), **kw)
+    _train_both(ours, theirs, steps=3)
+    sds = []
+    for fsdp, m in ((shardwise.FullyShardedDataParallel, ours), (tfsdp.FullyShardedDataParallel, theirs)):
+        cfg = tfsdp.FullStateDictConfig()  # (offload_to_cpu fails in PyTorch without an accelerator)
+        with fsdp.state_dict_type(m, tfsdp.StateDictType.FULL_STATE_DICT, cfg):
+            sds.append(m.state_dict())
+    assert list(sds[0]) == list(sds[1])
+    for k in sds[0]:
+        assert type(sds[0][k]) is torch.Tensor, k
+        torch.testing.assert_close(sds[0][k], sds[1][k], msg=k)

@@ -10,6 +10,7 @@ working. Each validates its fields when built.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -297,3 +298,27 @@ CONFIG_FOR_TYPE: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStat
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
 }
+
+
+_OURS = {cls.__name__: cls for cls in (
+    ShardingStrategy, BackwardPrefetch, StateDictType, OptimStateKeyType, MixedPrecision, CPUOffload,
+    StateDictConfig, FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig,
+    OptimStateDictConfig, FullOptimStateDictConfig, LocalOptimStateDictConfig, ShardedOptimStateDictConfig,
+)}
+
+
+def from_pytorch(value: object) -> object:
+    """PyTorch's own FSDP enum member or config object (e.g. a
+    ``torch.distributed.fsdp.CPUOffload()`` that code mixing imports, or a
+    default argument bound to PyTorch's class, hands to shardwise) as the
+    shardwise one of the same name and fields; anything else unchanged."""
+    mod = type(value).__module__ or ""
+    if not mod.startswith("torch.distributed.fsdp"):
+        return value
+    ours = _OURS.get(type(value).__name__)
+    if ours is None:
+        return value
+    if isinstance(value, Enum):
+        return ours[value.name]  # type: ignore[index]
+    names = [f.name for f in dataclasses.fields(ours)]
+    return ours(**{n: getattr(value, n) for n in names if hasattr(value, n)})

@@ -49,6 +49,7 @@ from .config import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    from_pytorch,
 )
 from .managed import CHECKPOINT_WRAPPED, WRAPPED_MODULE, Ignored, OwnTensor, is_wrapper, own_tensors
 from .strategies import StrategyPlan
@@ -119,6 +120,9 @@ def set_state_dict_type(
 ) -> StateDictSettings:
     """Set the state-dict type and configs of every wrapper under ``module``;
     return the previous settings."""
+    state_dict_type, state_dict_config, optim_state_dict_config = (  # PyTorch's own are taken as ours
+        from_pytorch(v) for v in (state_dict_type, state_dict_config, optim_state_dict_config)
+    )
     if not isinstance(state_dict_type, StateDictType):
         raise ConfigTypeError(
             f"state_dict_type must be a StateDictType (FULL_STATE_DICT, LOCAL_STATE_DICT or "

@@ -54,6 +54,7 @@ from .config import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    from_pytorch,
 )
 from .managed import (
     CHECKPOINT_WRAPPED,
@@ -98,9 +99,15 @@ def _check_flag(value: object, arg: str) -> bool:
 def _device_from_id(device_id: object) -> torch.device | None:
     if device_id is None:
         return None
+    if isinstance(device_id, str):  # "cuda", "cpu", "cuda:1", as PyTorch takes them
+        try:
+            device_id = torch.device(device_id)
+        except RuntimeError as e:
+            raise ConfigError(f"device_id {device_id!r} is not a device: {e}") from None
     if isinstance(device_id, bool) or not isinstance(device_id, (int, torch.device)):
         raise ConfigTypeError(
-            f"device_id must be an int (a CUDA device index), a torch.device or None, got {device_id!r}."
+            f"device_id must be an int (a CUDA device index), a torch.device, a device string or None, "
+            f"got {device_id!r}."
         )
     if isinstance(device_id, int):
         return torch.device("cuda", device_id)
@@ -199,6 +206,10 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel cannot wrap a {type(module).__name__}: it has no forward, so "
                 "its parameters would never be gathered. Wrap the modules inside it, or its parent."
             )
+        # PyTorch's own enum members and configs are taken as ours
+        sharding_strategy, cpu_offload, backward_prefetch, mixed_precision = (
+            from_pytorch(v) for v in (sharding_strategy, cpu_offload, backward_prefetch, mixed_precision)
+        )
         strategy = check_strategy(sharding_strategy)
         _check_optional(cpu_offload, CPUOffload, "cpu_offload")
         _check_optional(backward_prefetch, BackwardPrefetch, "backward_prefetch")
