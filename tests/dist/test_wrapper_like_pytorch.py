@@ -754,9 +754,12 @@ def test_deprecated_state_dict_entry_points_warn_like_pytorch():
 # fresh, differently initialised model resumes training as FSDP1's does.
 # (Before, set_state_dict failed: "Missing optimizer state for parameter
 # '_fsdp_wrapped_module.inp.weight'".)
+# (With every nn.Linear wrapped as well, the wrappers around leaves: before,
+# "Missing optimizer state for parameter 'inp._fsdp_wrapped_module.weight'".)
+@pytest.mark.parametrize("linears", [False, True], ids=["blocks", "blocks-and-linears"])
 @pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
 @multi_rank(world_sizes=(2,))
-def test_dcp_state_dict_apis_round_trip_like_pytorch(tmp_path, full):
+def test_dcp_state_dict_apis_round_trip_like_pytorch(tmp_path, full, linears):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -765,6 +768,7 @@ def test_dcp_state_dict_apis_round_trip_like_pytorch(tmp_path, full):
     from shardwise.wrap import ModuleWrapPolicy
 
     opts = StateDictOptions(full_state_dict=full)
+    classes = {Block, nn.Linear} if linears else {Block}
 
     def step(m, opt, i):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + dist.get_rank()))
@@ -776,17 +780,17 @@ def test_dcp_state_dict_apis_round_trip_like_pytorch(tmp_path, full):
 
     losses = {}
     for name, (src, fresh) in (
-        ("sw", (_both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), use_orig_params=True)[0],
-                _both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), base=_seeded(5), use_orig_params=True)[0])),
-        ("pt", (_both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), use_orig_params=True)[1],
-                _both(ModuleWrapPolicy({Block}), TorchPolicy({Block}), base=_seeded(5), use_orig_params=True)[1])),
+        ("sw", (_both(ModuleWrapPolicy(classes), TorchPolicy(classes), use_orig_params=True)[0],
+                _both(ModuleWrapPolicy(classes), TorchPolicy(classes), base=_seeded(5), use_orig_params=True)[0])),
+        ("pt", (_both(ModuleWrapPolicy(classes), TorchPolicy(classes), use_orig_params=True)[1],
+                _both(ModuleWrapPolicy(classes), TorchPolicy(classes), base=_seeded(5), use_orig_params=True)[1])),
     ):
         opt, fresh_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (src, fresh))
         step(src, opt, 0)
         step(fresh, fresh_opt, 9)
         msd, osd = get_state_dict(src, opt, options=opts)
         assert "inp.weight" in msd and "blocks.0.lin1.weight" in msd, sorted(msd)
-        path = str(tmp_path / f"{name}-{full}")
+        path = str(tmp_path / f"{name}-{full}-{linears}")
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
         msd2, osd2 = get_state_dict(fresh, fresh_opt, options=opts)
         state = {"model": msd2, "optim": osd2}

@@ -471,8 +471,15 @@ class FullyShardedDataParallel(nn.Module):
         """torch.distributed.checkpoint.state_dict's hook for wrappers: every
         name under this one is reached through ``_fsdp_wrapped_module``, which
         the fully qualified names skip (as they do for PyTorch's FSDP1), so
-        ``get_state_dict`` / ``set_state_dict`` keys are the original names."""
-        return {name: "_fsdp_wrapped_module" for name, _ in self._fsdp_wrapped_module.named_children()}
+        ``get_state_dict`` / ``set_state_dict`` keys are the original names.
+        The wrapped module's own parameters and buffers are listed too: a
+        wrapper around a leaf (an ``nn.Linear``) has no children, and those
+        APIs skip the segment only for a name listed here."""
+        inner = self._fsdp_wrapped_module
+        names = [n for n, _ in inner.named_children()]
+        names += [n for n, _ in inner.named_parameters(recurse=False)]
+        names += [n for n, _ in inner.named_buffers(recurse=False)]
+        return dict.fromkeys(names, "_fsdp_wrapped_module")
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """``nn.Module.named_parameters`` with the original names (no
