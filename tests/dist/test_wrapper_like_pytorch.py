@@ -1032,3 +1032,35 @@ def test_pytorchs_own_config_objects_and_device_strings():
     for k in sds[0]:
         assert type(sds[0][k]) is torch.Tensor, k
         torch.testing.assert_close(sds[0][k], sds[1][k], msg=k)
+
+
+# summon_full_params(with_grads=True, writeback=True): a change to the full
+# gradients inside is written back to each rank's sharded gradient, as FSDP1
+# does (test_fsdp_summon_full_params' with_grads case). Before, only the
+# parameters were written back and the gradient change was lost, silently.
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@multi_rank(world_sizes=(2,))
+def test_summon_with_grads_writes_gradients_back_like_pytorch(strategy):
+    import torch.distributed as dist
+
+    import shardwise
+
+    ours, theirs = _both(sharding_strategy=getattr(shardwise.ShardingStrategy, strategy), use_orig_params=True)
+    grads = []
+    for m in (ours, theirs):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+        m(x).square().sum().backward()
+        with type(m).summon_full_params(m, with_grads=True, writeback=True):
+            for name, p in m.named_parameters():
+                if name.endswith("weight"):
+                    p.grad *= 2
+                elif name.startswith("head"):
+                    p.grad = p.grad + 1  # assigned anew: dropped, as in FSDP1
+                else:
+                    p.grad.add_(1)
+        with type(m).summon_full_params(m, with_grads=True):
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    assert {n.replace("_fsdp_wrapped_module.", "") for n in grads[0]} == {
+        n.replace("_fsdp_wrapped_module.", "") for n in grads[1]}
+    for (na, ga), (nb, gb) in zip(sorted(grads[0].items()), sorted(grads[1].items())):
+        torch.testing.assert_close(ga, gb, msg=na)

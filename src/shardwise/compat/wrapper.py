@@ -71,6 +71,7 @@ from .state_dict import (
     clean_fqn,
     clean_name,
     get_state_dict_type,
+    local_chunk,
     register_state_dict_hooks,
     set_state_dict_type,
 )
@@ -837,7 +838,7 @@ def _expose(groups: list[ParamGroup], with_grads: bool, offload_to_cpu: bool, wr
     """Inside an engine summon: register CPU copies of the full parameters
     (``offload_to_cpu``) and/or gather gradients onto them (``with_grads``)."""
     swapped: list[tuple[Any, nn.Parameter]] = []
-    graded: list[nn.Parameter] = []
+    graded: list[tuple[Any, nn.Parameter, torch.Tensor]] = []
     try:
         for g in groups:
             for sp in g.params:
@@ -854,10 +855,20 @@ def _expose(groups: list[ParamGroup], with_grads: bool, offload_to_cpu: bool, wr
                 if with_grads and grad is not None:
                     whole = grad.full_tensor() if isinstance(grad, DTensor) else grad
                     exposed.grad = whole.to(exposed.device, exposed.dtype)
-                    graded.append(exposed)
+                    graded.append((sp, exposed, exposed.grad))
         yield
     finally:
-        for p in graded:
+        for sp, p, given in graded:
+            # Changed in place: this rank's part goes back, as FSDP1's views of
+            # its flat gradient do (a gradient assigned anew is dropped there too).
+            if writeback and p.grad is given and sp.sharded_param.grad is not None:
+                grad = sp.sharded_param.grad
+                with torch.no_grad():
+                    if isinstance(grad, DTensor):
+                        full = p.grad.to(grad.device, grad.dtype)
+                        grad._local_tensor.copy_(local_chunk(full, grad.device_mesh, grad.placements))
+                    else:
+                        grad.copy_(p.grad)
             p.grad = None
         for sp, exposed in swapped:
             if writeback:
