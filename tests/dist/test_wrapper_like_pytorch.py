@@ -1064,3 +1064,50 @@ def test_summon_with_grads_writes_gradients_back_like_pytorch(strategy):
         n.replace("_fsdp_wrapped_module.", "") for n in grads[1]}
     for (na, ga), (nb, gb) in zip(sorted(grads[0].items()), sorted(grads[1].items())):
         torch.testing.assert_close(ga, gb, msg=na)
+
+
+class _SharedModule(nn.Module):
+    """One module and one parameter each registered under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.net2 = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+        self.net3 = self.net2
+        self.random_parameter = nn.Parameter(torch.randn(10))
+        self.shared_parameter = self.random_parameter
+
+    def forward(self, x):
+        return self.net3(self.net2(self.net1(x))).sum() + self.shared_parameter.sum()
+
+
+# FULL_STATE_DICT of a model that registers a module under two names (as
+# test_fsdp_state_dict's shared-module case): every name holds a full tensor,
+# as in FSDP1, and the dict loads back. Before, the second name's entries
+# stayed sharded DTensors.
+@multi_rank(world_sizes=(2,))
+def test_full_state_dict_of_a_module_registered_twice_like_pytorch():
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    torch.manual_seed(0)
+    base = _SharedModule()
+    ours, theirs = _both(base=base)
+    sds = []
+    for fsdp, m in ((shardwise.FullyShardedDataParallel, ours), (tfsdp.FullyShardedDataParallel, theirs)):
+        m(torch.randn(2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))).backward()
+        with fsdp.state_dict_type(m, tfsdp.StateDictType.FULL_STATE_DICT):
+            sds.append(m.state_dict())
+    assert list(sds[0]) == list(sds[1])
+    for k in sds[0]:
+        assert type(sds[0][k]) is type(sds[1][k]) is torch.Tensor, (k, type(sds[0][k]))
+        torch.testing.assert_close(sds[0][k], sds[1][k], msg=k)
+    torch.manual_seed(1)
+    fresh = shardwise.FullyShardedDataParallel(_SharedModule())
+    with shardwise.FullyShardedDataParallel.state_dict_type(fresh, shardwise.StateDictType.FULL_STATE_DICT):
+        fresh.load_state_dict(sds[0])
+        again = fresh.state_dict()
+    for k in sds[0]:
+        torch.testing.assert_close(again[k], sds[0][k], msg=k)

@@ -100,20 +100,27 @@ def resolve_ignored(root: nn.Module, ignored_modules: object, ignored_states: ob
     return Ignored(modules, ignored_params)
 
 
-def own_modules(inner: nn.Module, ignored: set[nn.Module]) -> list[tuple[str, nn.Module]]:
+def own_modules(
+    inner: nn.Module, ignored: set[nn.Module], every_path: bool = False
+) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` for ``inner`` and every module under it that no
-    nested wrapper owns and that is not ignored, breadth-first."""
+    nested wrapper owns and that is not ignored, breadth-first: each module
+    once, or with ``every_path`` once per name it is registered under (a
+    module shared by two attributes, as ``state_dict`` lists it)."""
     out: list[tuple[str, nn.Module]] = []
     seen: set[int] = {id(inner)}
-    queue: collections.deque[tuple[str, nn.Module]] = collections.deque([("", inner)])
+    queue: collections.deque[tuple[str, nn.Module, frozenset[int]]] = collections.deque(
+        [("", inner, frozenset({id(inner)}))]
+    )
     while queue:
-        name, module = queue.popleft()
+        name, module, path = queue.popleft()
         out.append((name, module))
-        for child_name, child in module.named_children():
-            if id(child) in seen or child in ignored or is_wrapper(child):
+        # (named_children() lists a module registered under two names once)
+        for child_name, child in module._modules.items():
+            if child is None or child in ignored or is_wrapper(child) or id(child) in (path if every_path else seen):
                 continue
             seen.add(id(child))
-            queue.append((f"{name}.{child_name}" if name else child_name, child))
+            queue.append((f"{name}.{child_name}" if name else child_name, child, path | {id(child)}))
     return out
 
 
@@ -124,7 +131,7 @@ def own_tensors(
     parameter appears once per name), ignored parameters left out."""
     out: list[OwnTensor] = []
     ignored_ids = {id(p) for p in ignored.params}
-    for prefix, module in own_modules(inner, ignored.modules):
+    for prefix, module in own_modules(inner, ignored.modules, every_path=True):
         dot = f"{prefix}." if prefix else ""
         for attr, p in module._parameters.items():
             if p is not None and id(p) not in ignored_ids:
