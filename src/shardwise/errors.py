@@ -17,6 +17,7 @@ __all__ = [
     "MixedDtypeError",
     "ShardDimError",
     "CommHookError",
+    "SummonError",
 ]
 
 
@@ -70,6 +71,10 @@ class ShardDimError(ConfigError, AssertionError):
 class MixedDtypeError(ConfigError, AssertionError):
     """The trainable parameters of one group differ in dtype and no
     ``param_dtype`` makes them one (PyTorch asserts, at the first forward)."""
+
+
+class SummonError(UsageError, AssertionError):
+    """summon_full_params inside forward or backward (PyTorch's FSDP1 asserts)."""
 
 
 class CommHookError(UsageError, AssertionError):

@@ -375,8 +375,9 @@ def check_not_sharded(root: nn.Module, what: str) -> None:
     for name, m in root.named_modules():
         if state_of(m) is not None or isinstance(m, FSDPModule):
             raise ConfigError(
-                f"{what} needs modules that are not sharded yet, but {name or 'the root'} "
-                f"({type(m).__name__}) already is. Build the model afresh, or shard it by hand."
+                f"FSDP auto wrapping requires modules to not already have FSDP applied but found "
+                f"{name or 'the root'} in {type(root).__name__}: {what} needs modules that are not "
+                f"sharded yet ({type(m).__name__} already is). Build the model afresh, or shard it by hand."
             )
 
 

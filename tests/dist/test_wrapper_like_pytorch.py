@@ -1111,3 +1111,75 @@ def test_full_state_dict_of_a_module_registered_twice_like_pytorch():
         again = fresh.state_dict()
     for k in sds[0]:
         torch.testing.assert_close(again[k], sds[0][k], msg=k)
+
+
+class _SummonsInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.outer = []
+
+    def forward(self, x):
+        with type(self.outer[0]).summon_full_params(self.outer[0]):
+            pass
+        return self.lin(x)
+
+
+# Misuse errors of the wrapper, as PyTorch's FSDP1 tests match them: the class
+# (and for the auto-wrap case the opening words). Before: a TypeError for bad
+# ignored_modules contents, a wrapper accepted in ignored_modules, a plain
+# ValueError for summon_full_params inside forward.
+@multi_rank(world_sizes=(2,))
+def test_misuse_errors_like_pytorch():
+    import re
+
+    import torch.distributed.fsdp as tfsdp
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    import shardwise
+    from shardwise.wrap import ModuleWrapPolicy
+
+    def seq():
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    def summon_in_forward(fsdp):
+        m = _SummonsInForward()
+        w = fsdp(m, device_id=torch.device("cpu"))
+        m.outer.append(w)
+        w(torch.randn(2, 4))
+
+    def rewrap(fsdp, policy):
+        m = seq()
+        m[0] = fsdp(m[0], device_id=torch.device("cpu"))
+        fsdp(m, auto_wrap_policy=policy({nn.Linear}), device_id=torch.device("cpu"))
+
+    def wrapper_ignored(fsdp):
+        m = seq()
+        m[0] = fsdp(m[0], device_id=torch.device("cpu"))
+        fsdp(m, ignored_modules=[m[0]], device_id=torch.device("cpu"))
+
+    cases = {
+        "parameters in ignored_modules": (lambda f, p: f((m := seq()), ignored_modules=set(m[1].parameters()),
+                                                         device_id=torch.device("cpu")), None),
+        "modules and parameters in ignored_states": (
+            lambda f, p: f((m := seq()), ignored_states=set(m[1].parameters()) | {m[1]},
+                           device_id=torch.device("cpu")), None),
+        "a wrapper in ignored_modules": (lambda f, p: wrapper_ignored(f), "should not include FSDP modules"),
+        "summon_full_params in forward": (lambda f, p: summon_in_forward(f), None),
+        "auto-wrap a wrapped model": (lambda f, p: rewrap(f, p),
+                                      "FSDP auto wrapping requires modules to not already have FSDP applied"),
+    }
+    for what, (call, pattern) in cases.items():
+        got = {}
+        for name, fsdp, policy in (("pt", tfsdp.FullyShardedDataParallel, TorchPolicy),
+                                   ("sw", shardwise.FullyShardedDataParallel, ModuleWrapPolicy)):
+            try:
+                call(fsdp, policy)
+                got[name] = None
+            except Exception as e:  # noqa: BLE001
+                got[name] = e
+        pt, sw = got["pt"], got["sw"]
+        assert pt is not None, what
+        assert isinstance(sw, type(pt)), (what, pt, sw)
+        if pattern is not None:
+            assert re.search(pattern, str(pt)) and re.search(pattern, str(sw)), (what, str(pt), str(sw))

@@ -81,14 +81,19 @@ def resolve_ignored(root: nn.Module, ignored_modules: object, ignored_states: ob
     mods = [x for x in items if isinstance(x, nn.Module)]
     params = [x for x in items if isinstance(x, nn.Parameter)]
     if len(mods) + len(params) != len(items) or (mods and params):
-        raise ConfigTypeError(
+        raise ConfigError(  # a ValueError, as PyTorch's
             f"{arg} must hold only nn.Modules or only nn.Parameters, got "
             f"{sorted({type(x).__name__ for x in items})}."
         )
     if params and arg == "ignored_modules":
-        raise ConfigTypeError("ignored_modules must hold nn.Modules; pass parameters with ignored_states.")
+        raise ConfigError("ignored_modules must hold nn.Modules; pass parameters with ignored_states.")
     modules: set[nn.Module] = set()
     for m in mods:
+        if is_wrapper(m):
+            raise ConfigError(
+                f"`{arg}` should not include FSDP modules: {type(m).__name__} is already a "
+                "FullyShardedDataParallel; ignore the module it wraps before wrapping it, or leave it wrapped."
+            )
         if m is root:
             warnings.warn(
                 "Ignoring the wrapped module itself leaves nothing to shard.", stacklevel=4

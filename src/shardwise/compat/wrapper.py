@@ -36,7 +36,7 @@ from shardwise._engine.param_group import ParamGroup, TrainingState, check_train
 from shardwise._engine.setup import shard_modules
 from shardwise._engine.sharded_param import set_param
 from shardwise._engine.trees import cast_floats
-from shardwise.errors import CommHookError, ConfigError, ConfigTypeError, UnsupportedError, UsageError
+from shardwise.errors import CommHookError, ConfigError, ConfigTypeError, SummonError, UnsupportedError, UsageError
 from shardwise.fully_shard import summon_full_params as engine_summon
 from shardwise.policies import CPUOffloadPolicy, OffloadPolicy
 from shardwise.wrap import check_not_sharded, check_policy, plan_wrapping, post_order
@@ -827,7 +827,8 @@ def _check_idle(groups: list[ParamGroup]) -> None:
         root = g.ctx.root
         busy = [x for x in (g, root.group if root is not None else None) if x is not None and x.training_state != TrainingState.IDLE]
         if busy:
-            raise ConfigError(
+            raise SummonError(
+                "Cannot manually unshard parameters during forward/backward: "
                 f"summon_full_params cannot run inside forward or backward ({busy[0].name} is in "
                 f"{busy[0].training_state.name}); call it before the forward or after the backward."
             )
