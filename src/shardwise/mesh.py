@@ -4,6 +4,7 @@ which replicates (HSDP), this rank's place in each, and the smaller groups that
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -87,7 +88,7 @@ class MeshInfo:
     @property
     def shard_mesh(self) -> DeviceMesh:
         """The 1-D mesh of the shard group (what all-gather extensions receive)."""
-        if self.spmd_mesh is not None:
+        if self.spmd_mesh is not None and not self.replicate_only:
             names = self.spmd_mesh.mesh_dim_names or ()
             return self.spmd_mesh[names[self.spmd_shard_dim]]
         if self.mesh.ndim == 1:
@@ -167,6 +168,11 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: object) -> MeshInfo:
             f"dp_mesh_dims names {both} as both a shard and a replicate dim; FSDP shards over one "
             "mesh dim and replicates over another: name different dims, e.g. "
             "DataParallelMeshDims(shard='dp_shard', replicate='dp_replicate')."
+        )
+    if not shard and len(replicate) == 1:  # DDP: whole parameters, gradients all-reduced over the dim
+        r_idx = names.index(replicate[0])
+        return dataclasses.replace(
+            replicate_info(mesh[replicate[0]]), spmd_mesh=mesh, spmd_dp_dims=frozenset({r_idx}), spmd_shard_dim=-1
         )
     if len(shard) != 1 or len(replicate) > 1:
         raise UnsupportedError(

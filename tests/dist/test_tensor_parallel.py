@@ -538,6 +538,8 @@ def _batch_sharded(out):
     [
         ((2, 2), ("dp", "tp"), dict(shard="dp")),
         ((2, 1, 2), ("rep", "dp", "tp"), dict(shard="dp", replicate="rep")),
+        # replicate only: DDP over "dp" (refused before)
+        ((2, 2), ("dp", "tp"), dict(replicate="dp")),
     ],
 )
 @multi_rank(world_sizes=(4,))
@@ -562,7 +564,10 @@ def test_dp_mesh_dims(shape, names, dims):
     _assert_same_layouts(models["shardwise+pt_dims"], models["torch"])
     w1 = models["shardwise"].blocks[0].w1.weight
     assert w1.device_mesh.mesh_dim_names == names
-    assert repr(w1.placements[-2:]) == repr((_strided(0, 2), Shard(0))), w1.placements
+    if "shard" in dims:
+        assert repr(w1.placements[-2:]) == repr((_strided(0, 2), Shard(0))), w1.placements
+    else:
+        assert repr(w1.placements) == repr((Replicate(), Shard(0))), w1.placements
 
     def inputs(step):
         return _spmd_input(step, mesh, dp_mesh)

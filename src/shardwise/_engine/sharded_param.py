@@ -69,7 +69,9 @@ def sharded_spec(
     split = tp_spec.num_shards_map[shard_dim]
     fsdp: Placement = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
     if info.spmd_mesh is not None:  # dp_mesh_dims: the parameter is on the whole mesh already
-        if tp_spec.mesh is not info.spmd_mesh:
+        # (equal meshes are accepted: DTensor's caches may hand back an equal
+        # mesh object made earlier)
+        if tp_spec.mesh != info.spmd_mesh:
             raise ConfigError(
                 "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
                 f"different mesh objects ({tp_spec.mesh} and {info.spmd_mesh}); with dp_mesh_dims, "
@@ -85,6 +87,8 @@ def sharded_spec(
                     "with dp_mesh_dims, parameters must be Replicate() on the data-parallel mesh "
                     "dims. Distribute them with Replicate() there and let fully_shard shard them."
                 )
+        if info.replicate_only:  # dp_mesh_dims replicating only (DDP): placements unchanged
+            return info.spmd_mesh, tuple(placements)
         # split: TP shards on the same dim to the right of the dp dim.
         split = 1
         for j in range(info.spmd_shard_dim + 1, len(placements)):
