@@ -170,9 +170,9 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: object) -> MeshInfo:
             "DataParallelMeshDims(shard='dp_shard', replicate='dp_replicate')."
         )
     if not shard and len(replicate) == 1:  # DDP: whole parameters, gradients all-reduced over the dim
-        r_idx = names.index(replicate[0])
+        rep_idx = names.index(replicate[0])
         return dataclasses.replace(
-            replicate_info(mesh[replicate[0]]), spmd_mesh=mesh, spmd_dp_dims=frozenset({r_idx}), spmd_shard_dim=-1
+            replicate_info(mesh[replicate[0]]), spmd_mesh=mesh, spmd_dp_dims=frozenset({rep_idx}), spmd_shard_dim=-1
         )
     if len(shard) != 1 or len(replicate) > 1:
         raise UnsupportedError(

@@ -264,7 +264,7 @@ def test_ignored_modules_stay_local_and_unwrapped():
     assert all(not isinstance(p, DTensor) for p in w2.bn.parameters())
     with pytest.raises(ValueError, match="Cannot pass both ignored_modules and ignored_states"):
         FSDP(ConvNet(), ignored_modules=[m2.bn], ignored_states=[m2.bn])
-    with pytest.raises(TypeError, match="only nn.Modules or only nn.Parameters"):
+    with pytest.raises(ValueError, match="only nn.Modules or only nn.Parameters"):  # (FSDP1: ValueError)
         FSDP(ConvNet(), ignored_states=[nn.Linear(1, 1), nn.Parameter(torch.zeros(1))])
 
 
@@ -548,7 +548,9 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(TypeError, match="auto_wrap_policy must be a policy"):
         FSDP(nn.Linear(2, 2), auto_wrap_policy=42)
     with pytest.raises(TypeError, match="device_id must be"):
-        FSDP(nn.Linear(2, 2), device_id="cpu")  # type: ignore[arg-type]
+        FSDP(nn.Linear(2, 2), device_id=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="device_id 'nowhere' is not a device"):
+        FSDP(nn.Linear(2, 2), device_id="nowhere")
     from shardwise.wrap import CustomPolicy
 
     with pytest.raises(TypeError, match="an argument FullyShardedDataParallel does not take"):

@@ -1183,3 +1183,31 @@ def test_misuse_errors_like_pytorch():
         assert isinstance(sw, type(pt)), (what, pt, sw)
         if pattern is not None:
             assert re.search(pattern, str(pt)) and re.search(pattern, str(sw)), (what, str(pt), str(sw))
+
+
+# A ModuleList wrapped with an auto-wrap policy (test_wrap's preset-exclude
+# case): FSDP1 builds the wrapper, and the children it wrapped train when
+# called. Before, refused as "no forward" (still refused without a policy).
+@multi_rank(world_sizes=(2,))
+def test_module_list_with_an_auto_wrap_policy_like_pytorch():
+    import torch.distributed.fsdp as tfsdp
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size
+
+    import shardwise
+    from shardwise.wrap import size_based_auto_wrap_policy
+
+    got = {}
+    for name, fsdp, size in (("pt", tfsdp.FullyShardedDataParallel, torch_size),
+                             ("sw", shardwise.FullyShardedDataParallel, size_based_auto_wrap_policy)):
+        runs = []
+        for min_params in (40, 4):
+            torch.manual_seed(0)
+            m = fsdp(nn.ModuleList([nn.Linear(5, 5), nn.Linear(5, 5)]),
+                     auto_wrap_policy=functools.partial(size, min_num_params=min_params), device_id=torch.device("cpu"))
+            runs.append([type(m).__name__, type(m[0]).__name__, type(m[1]).__name__])
+        y = m[1](m[0](torch.randn(2, 5, generator=torch.Generator().manual_seed(1))))
+        y.sum().backward()
+        runs.append(y.detach())
+        got[name] = runs
+    assert got["sw"][:2] == got["pt"][:2]
+    torch.testing.assert_close(got["sw"][2], got["pt"][2])

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -300,6 +301,7 @@ CONFIG_FOR_TYPE: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStat
 }
 
 
+_T = TypeVar("_T")
 _OURS = {cls.__name__: cls for cls in (
     ShardingStrategy, BackwardPrefetch, StateDictType, OptimStateKeyType, MixedPrecision, CPUOffload,
     StateDictConfig, FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig,
@@ -307,7 +309,7 @@ _OURS = {cls.__name__: cls for cls in (
 )}
 
 
-def from_pytorch(value: object) -> object:
+def from_pytorch(value: _T) -> _T:
     """PyTorch's own FSDP enum member or config object (e.g. a
     ``torch.distributed.fsdp.CPUOffload()`` that code mixing imports, or a
     default argument bound to PyTorch's class, hands to shardwise) as the
@@ -319,6 +321,6 @@ def from_pytorch(value: object) -> object:
     if ours is None:
         return value
     if isinstance(value, Enum):
-        return ours[value.name]  # type: ignore[index]
-    names = [f.name for f in dataclasses.fields(ours)]
-    return ours(**{n: getattr(value, n) for n in names if hasattr(value, n)})
+        return cast(_T, cast(Any, ours)[value.name])
+    names = [f.name for f in dataclasses.fields(cast(Any, ours))]
+    return cast(_T, ours(**{n: getattr(value, n) for n in names if hasattr(value, n)}))

@@ -120,9 +120,9 @@ def set_state_dict_type(
 ) -> StateDictSettings:
     """Set the state-dict type and configs of every wrapper under ``module``;
     return the previous settings."""
-    state_dict_type, state_dict_config, optim_state_dict_config = (  # PyTorch's own are taken as ours
-        from_pytorch(v) for v in (state_dict_type, state_dict_config, optim_state_dict_config)
-    )
+    state_dict_type = from_pytorch(state_dict_type)  # PyTorch's own are taken as ours
+    state_dict_config = from_pytorch(state_dict_config)
+    optim_state_dict_config = from_pytorch(optim_state_dict_config)
     if not isinstance(state_dict_type, StateDictType):
         raise ConfigTypeError(
             f"state_dict_type must be a StateDictType (FULL_STATE_DICT, LOCAL_STATE_DICT or "

@@ -202,15 +202,17 @@ class FullyShardedDataParallel(nn.Module):
                 f"this {type(module).__name__} is already sharded; wrap each module once (nested "
                 "wrapping goes inside out, or let auto_wrap_policy do it)."
             )
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        if (isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+                and auto_wrap_policy is None):  # (with a policy its children may be wrapped and called, as in FSDP1)
             raise ConfigError(
                 f"FullyShardedDataParallel cannot wrap a {type(module).__name__}: it has no forward, so "
                 "its parameters would never be gathered. Wrap the modules inside it, or its parent."
             )
         # PyTorch's own enum members and configs are taken as ours
-        sharding_strategy, cpu_offload, backward_prefetch, mixed_precision = (
-            from_pytorch(v) for v in (sharding_strategy, cpu_offload, backward_prefetch, mixed_precision)
-        )
+        sharding_strategy = from_pytorch(sharding_strategy)
+        cpu_offload = from_pytorch(cpu_offload)
+        backward_prefetch = from_pytorch(backward_prefetch)
+        mixed_precision = from_pytorch(mixed_precision)
         strategy = check_strategy(sharding_strategy)
         _check_optional(cpu_offload, CPUOffload, "cpu_offload")
         _check_optional(backward_prefetch, BackwardPrefetch, "backward_prefetch")
@@ -866,8 +868,8 @@ def _expose(groups: list[ParamGroup], with_grads: bool, offload_to_cpu: bool, wr
                 grad = sp.sharded_param.grad
                 with torch.no_grad():
                     if isinstance(grad, DTensor):
-                        full = p.grad.to(grad.device, grad.dtype)
-                        grad._local_tensor.copy_(local_chunk(full, grad.device_mesh, grad.placements))
+                        changed = p.grad.to(grad.device, grad.dtype)
+                        grad._local_tensor.copy_(local_chunk(changed, grad.device_mesh, grad.placements))
                     else:
                         grad.copy_(p.grad)
             p.grad = None
