@@ -203,9 +203,8 @@ class ModuleState:
             return
         if len(self.modules) > 1:
             raise RuntimeError(
-                f"FSDP requires a single root module but got {len(self.modules)} modules: the first "
-                "forward ran through a module "
-                f"sharded together with others ({len(self.modules)} modules in one fully_shard call). "
+                f"FSDP requires a single root module but got {len(self.modules)} modules (sharded "
+                "together in one fully_shard call), and the first forward ran through one of them. "
                 "Apply fully_shard to their common parent and run forward through it."
             )
         self.is_root = True
@@ -279,9 +278,9 @@ class ModuleState:
     def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if len(self.modules) > 1:
             if torch._C._current_graph_task_id() != -1:  # recomputed in backward
-                return self._member_pre_forward(args, kwargs, recompute=True)
+                return self._member_pre_forward(args, kwargs)
             if self._modules_to_run and all(g.training_state == TrainingState.FORWARD for g in self.groups):
-                return self._member_pre_forward(args, kwargs, recompute=False)
+                return self._member_pre_forward(args, kwargs)
             if not self._modules_to_run:
                 self._modules_to_run = {id(m) for m in self.modules}
         return self.pre_forward(args, kwargs)
@@ -301,7 +300,7 @@ class ModuleState:
             return output
         return self.post_forward(output)
 
-    def _member_pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], recompute: bool) -> tuple[Any, Any]:
+    def _member_pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         """A later member of a group of modules, or one recomputed in backward:
         see [Note: modules sharded together]."""
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:

@@ -56,7 +56,7 @@ from shardwise.policies import MixedPrecisionPolicy
 from . import collectives as coll
 from .plan import GroupPlan
 from .settings import GroupSettings
-from .sharded_param import ShardedParam, ShardedState, _same_version, alloc_storage, free_storage
+from .sharded_param import ShardedParam, ShardedState, same_version, alloc_storage, free_storage
 from .trace import trace
 
 # The module state type (module_state.ModuleState, which imports this module).
@@ -421,7 +421,7 @@ class ParamGroup:
                     # The unsharded parameter may alias these buffers (e.g. a
                     # post-hook returning them): refilling them must not bump
                     # its version, or autograd's saved copy looks modified.
-                    with _same_version(buf):
+                    with same_version(buf):
                         buf.view(num, -1).copy_(next(views))
                 p.finish_extension(dtype)
             else:

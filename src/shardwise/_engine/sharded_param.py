@@ -74,8 +74,8 @@ def sharded_spec(
         if tp_spec.mesh != info.spmd_mesh:
             raise ConfigError(
                 "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
-                f"different mesh objects ({tp_spec.mesh} and {info.spmd_mesh}); with dp_mesh_dims, "
-                "distribute the parameters on the very mesh object given to fully_shard."
+                f"different mesh objects ({tp_spec.mesh} and {info.spmd_mesh}): with dp_mesh_dims, "
+                "distribute the parameters on the mesh given to fully_shard."
             )
         placements = list(tp_spec.placements)
         for i in info.spmd_dp_dims:
@@ -471,7 +471,7 @@ class ShardedParam:
             for t in self.extension_inner:
                 alloc_storage(t)
             # refilled in place: autograd's saved copy must not look modified
-            with _same_version(self.unsharded_param):
+            with same_version(self.unsharded_param):
                 post(outputs, self.extension_metadata, dtype, out=self.unsharded_param)
         else:
             unsharded, inner = post(outputs, self.extension_metadata, dtype)
@@ -540,7 +540,7 @@ class ShardedParam:
         return bool(getattr(self.sharded_param, "_post_accumulate_grad_hooks", None))
 
 
-def _same_version(t: torch.Tensor) -> AbstractContextManager[Any]:
+def same_version(t: torch.Tensor) -> AbstractContextManager[Any]:
     """Writes inside leave ``t``'s autograd version unchanged (as PyTorch's
     all-gather copy-out does); inference tensors have no version."""
     return nullcontext() if t.is_inference() else _unsafe_preserve_version_counter(t)

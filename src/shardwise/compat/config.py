@@ -310,12 +310,12 @@ _OURS = {cls.__name__: cls for cls in (
 
 
 def from_pytorch(value: _T) -> _T:
-    """PyTorch's own FSDP enum member or config object (e.g. a
-    ``torch.distributed.fsdp.CPUOffload()`` that code mixing imports, or a
-    default argument bound to PyTorch's class, hands to shardwise) as the
-    shardwise one of the same name and fields; anything else unchanged."""
-    mod = type(value).__module__ or ""
-    if not mod.startswith("torch.distributed.fsdp"):
+    """PyTorch's own FSDP enum member or config object (e.g. its
+    ``CPUOffload()``, which code mixing imports, or a default argument bound
+    to PyTorch's class, hands to shardwise) as the shardwise one of the same
+    name and fields; anything else unchanged. (Recognised by the module path
+    of its class; nothing of PyTorch's FSDP is imported.)"""
+    if type(value).__module__.split(".")[:3] != ["torch", "distributed", "fsdp"]:
         return value
     ours = _OURS.get(type(value).__name__)
     if ours is None:
