@@ -928,6 +928,8 @@ def test_replaced_collectives_are_called_like_torch():
             for n in names:
                 setattr(dist, n, originals[n])
         got[name] = (sorted(seen), [p.grad.full_tensor() for p in m.parameters()])
+    # (non-empty: two equal empty logs would prove nothing)
+    assert {n for n, _, _ in got["torch"][0]} == {"all_gather_single", "reduce_scatter_single"}, got["torch"][0]
     assert got["shardwise"][0] == got["torch"][0]
     torch.testing.assert_close(got["shardwise"][1], got["torch"][1])
 

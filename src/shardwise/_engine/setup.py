@@ -62,7 +62,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             p = params[i]
             owned = _OWNED.get(p)  # type: ignore[no-untyped-call]
             sp: ShardedParam | None = owned[2]() if owned is not None else getattr(p, GATHERED_FROM, None)
-            if sp is None or sp.sharded_param is p:  # (a DTensor kept as the sharded parameter)
+            # A DTensor whose layout needed no change is kept as the sharded
+            # parameter: registered in _OWNED (shared-parameter checks need it),
+            # yet nothing to swap.
+            if sp is None or sp.sharded_param is p:
                 continue
             if owned is None and any(m._parameters.get(n) is p for m, n in sp.owners):
                 settled = False  # still registered (inside summon_full_params): a step now is legitimate
