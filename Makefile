@@ -37,8 +37,7 @@ bench-gpu:
 # Everything a lent GPU should run, in order: the CUDA tests, the GPU benchmark
 # with its trace, then the whole suite.
 gpu-check:
-	PYTHONPATH=src $(PYTHON) -m pytest -q -rs tests/gpu
-	$(MAKE) bench-gpu
+	PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh
 	$(MAKE) test-system
 
 clean:

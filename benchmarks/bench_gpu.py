@@ -7,6 +7,10 @@ CUDA device, in one process (one launch):
 
 * ``shardwise``         - ``shardwise.fully_shard`` per block, then the root;
   bf16 parameters, fp32 gradient reduction (``MixedPrecisionPolicy``);
+* ``shardwise_nccl``    - the same, with user collectives that call NCCL: at
+  world size 1 shardwise's own collectives are skipped (nothing to exchange),
+  PyTorch's are issued; this config issues them too (a fair comparison, and
+  the trace shows whether the prefetched all-gathers overlap compute);
 * ``torch_fsdp``        - ``torch.distributed.fsdp.fully_shard``, the same way;
 * ``shardwise_offload`` / ``torch_offload`` - the same with
   ``CPUOffloadPolicy()`` (shards, gradients and the optimizer step on the CPU);
@@ -29,9 +33,10 @@ shows each config's median over repeats and its ratio to ``torch_fsdp`` (to
 ``torch_offload`` for the offload configs).
 
 ``--trace DIR`` also records a short profiler trace of shardwise (with and
-without offload) and prints an overlap analysis: for every all-gather kernel,
-whether it ran while a compute kernel of the default stream was running, and
-for every host-to-device copy, the same.
+without offload) and of PyTorch's, and prints an overlap analysis: the share of
+each collective's time (NCCL kernels; at world size 1, NCCL's device copies on
+its own stream) and of each host-to-device copy's time that a kernel of the
+compute stream covered.
 
 Example: ``python benchmarks/bench_gpu.py --json gpu.json --trace /tmp/trace``
 """
@@ -59,7 +64,7 @@ if importlib.util.find_spec("shardwise") is None:  # not pip-installed: use the 
 
 from shardwise.models import GPT, GPTConfig  # noqa: E402
 
-CONFIGS = ("shardwise", "torch_fsdp", "shardwise_offload", "torch_offload", "local")
+CONFIGS = ("shardwise", "shardwise_nccl", "torch_fsdp", "shardwise_offload", "torch_offload", "local")
 MIB = 2**20
 
 
@@ -92,9 +97,39 @@ def build(config: str, cfg: GPTConfig, args: argparse.Namespace) -> tuple[torch.
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
+    if config == "shardwise_nccl":
+        _issue_collectives(model)
     # Offloaded shards step on the CPU (as PyTorch documents); else fused CUDA AdamW.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not offload)
     return model, opt, False
+
+
+def _issue_collectives(model: torch.nn.Module) -> None:
+    """Install user collectives that call NCCL as the defaults do, so that a
+    one-rank run issues them (shardwise skips its own there)."""
+    from shardwise import AllGather, FSDPModule, ReduceScatter
+    from shardwise.comm import all_gather_tensor, reduce_scatter_tensor
+
+    class Gather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> Any:
+            return all_gather_tensor(output_tensor, input_tensor, group, async_op)
+
+    class Scatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            return reduce_scatter_tensor(output_tensor, input_tensor, group, op, async_op)
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(Gather())
+            m.set_custom_reduce_scatter(Scatter())
 
 
 def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -186,29 +221,45 @@ def _overlaps(iv: tuple[float, float, int, str], others: list[tuple[float, float
 
 
 def analyze(trace_file: Path) -> dict[str, Any]:
-    """Per all-gather kernel and per H2D copy: the share of its time that a
-    compute kernel on another stream covered."""
+    """How much of the communication and host copies ran under compute.
+
+    The compute stream is the stream with the most kernel time. A collective
+    is an NCCL kernel, or a device-to-device copy on another stream (at world
+    size 1 NCCL runs an all-gather as such a copy). For collectives, for
+    host-to-device copies and for every other stream: the share of their time
+    that a compute-stream kernel covered."""
     import json
 
     events = [e for e in json.loads(trace_file.read_text())["traceEvents"] if e.get("ph") == "X"]
-    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")]
-    kernels = _intervals(gpu, lambda e: e.get("cat") == "kernel")
-    gathers = [k for k in kernels if "AllGather" in k[3] or "all_gather" in k[3].lower()]
-    compute = [k for k in kernels if "nccl" not in k[3].lower()]
-    h2d = _intervals(gpu, lambda e: e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"])
-    copies_out = [k for k in kernels if "copy" in k[3].lower() or "cat" in k[3].lower()]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernel_time: dict[int, float] = {}
+    for e in gpu:
+        if e.get("cat") == "kernel":
+            kernel_time[e.get("tid", 0)] = kernel_time.get(e.get("tid", 0), 0.0) + e.get("dur", 0)
+    if not kernel_time:
+        return {"error": "no kernels in the trace"}
+    main_stream = max(kernel_time, key=kernel_time.__getitem__)
+    every = _intervals(gpu, lambda e: True)
+    compute = [k for k in every if k[2] == main_stream and "nccl" not in k[3].lower()]
+    side = [k for k in every if k[2] != main_stream]
+    collectives = [k for k in every if "nccl" in k[3].lower()
+                   or (k[2] != main_stream and "DtoD" in k[3])]
+    h2d = [k for k in every if "HtoD" in k[3]]
 
     def share(items: list[tuple[float, float, int, str]]) -> dict[str, Any]:
         if not items:
             return {"count": 0}
-        per = [(_overlaps(i, [c for c in compute if c[2] != i[2]]) / max(i[1] - i[0], 1e-9)) for i in items]
+        per = [_overlaps(i, compute) / max(i[1] - i[0], 1e-9) for i in items]
         return {"count": len(items), "total_us": sum(i[1] - i[0] for i in items),
                 "overlapped_share_mean": statistics.mean(per),
                 "fully_overlapped": sum(p > 0.95 for p in per), "not_overlapped": sum(p < 0.05 for p in per)}
 
-    return {"all_gather": share(gathers), "h2d": share(h2d), "compute_kernels": len(compute),
-            "copy_kernels": len(copies_out),
-            "compute_us": sum(k[1] - k[0] for k in compute)}
+    streams = {str(t): share([k for k in side if k[2] == t]) for t in sorted({k[2] for k in side})}
+    busy = sorted((s, e) for s, e, _, _ in every)
+    span = (busy[-1][1] - busy[0][0]) if busy else 0.0
+    return {"compute_stream": main_stream, "compute_kernels": len(compute),
+            "compute_us": sum(k[1] - k[0] for k in compute), "gpu_span_us": span,
+            "collectives": share(collectives), "h2d": share(h2d), "other_streams": streams}
 
 
 def trace(args: argparse.Namespace) -> dict[str, Any]:
@@ -218,7 +269,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, n_layers=args.layers,
                     n_heads=args.heads)
     args.trace.mkdir(parents=True, exist_ok=True)
-    for config in ("shardwise", "shardwise_offload", "torch_fsdp", "torch_offload"):
+    for config in args.trace_configs:
         model, opt, _ = build(config, cfg, args)
         x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device="cuda")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
@@ -255,9 +306,12 @@ def main() -> None:
                    help="FSDP configs: torchao float8 linears with float8 all-gathers (needs torchao)")
     p.add_argument("--json", type=Path)
     p.add_argument("--trace", type=Path, help="also write profiler traces here and analyze overlap")
+    p.add_argument("--trace-configs", default="shardwise,shardwise_nccl,shardwise_offload,torch_fsdp,torch_offload",
+                   help="the configs --trace records")
     args = p.parse_args()
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for c in args.configs:
+    args.trace_configs = [c.strip() for c in args.trace_configs.split(",") if c.strip()]
+    for c in args.configs + args.trace_configs:
         if c not in CONFIGS:
             p.error(f"--configs: unknown config {c!r}; choose from {', '.join(CONFIGS)}")
     if not torch.cuda.is_available():
