@@ -8,6 +8,7 @@ checked against a plain count of live storages."""
 
 from __future__ import annotations
 
+import io
 import json
 import weakref
 
@@ -294,3 +295,28 @@ def test_readme_plan_example_runs_as_written(capsys):
     assert memory.peak_bytes > memory.by_category["activations"] > 0
     assert memory.comm_bytes_per_step["all_gather"] > memory.comm_bytes_per_step["reduce_scatter"] > 0
     assert str(memory.peak_bytes) in capsys.readouterr().out
+
+
+def test_a_plan_for_cuda_counts_the_cublas_workspaces(monkeypatch):
+    """On CUDA two cuBLAS workspaces (the forward's thread and autograd's)
+    stand from the first step on; a plan for ``device="cuda"`` made where no
+    GPU is visible counts PyTorch's Hopper default, or CUBLAS_WORKSPACE_CONFIG
+    as PyTorch parses it. Checked against max_memory_allocated in tests/gpu."""
+    from shardwise.train.plan import cuda_workspace_bytes, plan_training, print_plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    settings = dict(nproc=2, batch_size=4, n_layers=2, dim=32, n_heads=2, vocab_size=256, seq_len=16)
+    cpu = plan_training(TrainConfig(device="cpu", **settings))
+    gpu = plan_training(TrainConfig(device="cuda", **settings))
+    assert "cuda_workspaces" not in cpu.ranks[0].by_category
+    for a, b in zip(cpu.ranks, gpu.ranks):
+        assert b.peak_bytes == a.peak_bytes + 2 * 32 * 2**20
+        assert b.by_category == {**a.by_category, "cuda_workspaces": 2 * 32 * 2**20}
+        assert b.end_by_category["cuda_workspaces"] == 2 * 32 * 2**20
+    assert cuda_workspace_bytes(TrainConfig(device="auto", **settings)) == 0
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert cuda_workspace_bytes(TrainConfig(device="cuda", **settings)) == 2 * (4096 * 2 + 16 * 8) * 1024
+    out = io.StringIO()
+    print_plan(gpu, out)
+    assert "cuBLAS workspaces" in out.getvalue()

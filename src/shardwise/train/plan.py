@@ -55,7 +55,11 @@ CATEGORY_NAMES = {
     "comm_buffers": "communication buffers",
     "temporaries": "other temporaries",
     "buffers": "module buffers",
+    "cuda_workspaces": "cuBLAS workspaces",
 }
+PLAN_CATEGORIES = (*CATEGORIES, "cuda_workspaces")
+"""The categories of a plan: the tracked ones, then the CUDA workspaces (see
+[Note: CUDA workspaces in the plan])."""
 
 
 @dataclass(frozen=True)
@@ -292,13 +296,16 @@ def plan_training(
         classes = [c for c in classes if c]
     results: dict[int, StepMemory] = {}
     per_rank: list[RankPlan] = []
+    workspaces = cuda_workspace_bytes(cfg)
     counted = False
     with tempfile.TemporaryDirectory(prefix="shardwise-plan-") as tmp:
         for members in classes:
             rep = members[0]
             results[rep], counted = _simulate_rank(cfg, world, micro, rep, steps, layers, repeat, Path(tmp))
             res = results[rep]
-            per_rank.extend(RankPlan(r, res.peak_bytes, dict(res.by_category), rep, dict(res.end_by_category))
+            extra = {"cuda_workspaces": workspaces} if workspaces else {}
+            per_rank.extend(RankPlan(r, res.peak_bytes + workspaces, {**res.by_category, **extra}, rep,
+                                     {**res.end_by_category, **extra})
                             for r in members)
     per_rank.sort(key=lambda r: r.rank)
     heaviest = max(per_rank, key=lambda r: (r.peak_bytes, -r.rank))
@@ -319,6 +326,42 @@ def plan_training(
         layers_run=REPEAT_RUN if counted else (layers,),
         layers=layers,
     )
+
+
+# [Note: CUDA workspaces in the plan]
+# On CUDA, PyTorch gives each cuBLAS handle a workspace per stream, allocated
+# through the caching allocator at the first matrix product and kept for the
+# process's life, so it counts in torch.cuda.max_memory_allocated. Handles are
+# per thread: a training step uses two, the forward's (the Python thread) and
+# backward's (autograd's thread for the device), both on the current stream,
+# so two workspaces stand from the first step on. Their size is PyTorch's:
+# CUBLAS_WORKSPACE_CONFIG when set (":SIZE:COUNT" pairs in KiB, summed as
+# PyTorch parses them), else 4096 KiB x 8 on compute capability 9 and 10
+# (Hopper, datacentre Blackwell) and 4096 KiB x 2 + 16 KiB x 8 on others. A
+# plan made where no GPU is visible assumes the former. Measured on an H200
+# (torch 2.11): 32 MiB at the first product and 32 MiB more at the first
+# backward; without them the plan of a small model missed
+# max_memory_allocated by 67 MB (benchmarks/bench_plan.py, "cuda").
+
+_CUBLAS_PAIR = re.compile(r":([0-9]+):([0-9]+)")
+
+
+def cuda_workspace_bytes(cfg: TrainConfig) -> int:
+    """The cuBLAS workspaces a rank of ``cfg`` holds on CUDA (0 on the CPU);
+    see [Note: CUDA workspaces in the plan]."""
+    import os
+
+    visible = torch.cuda.is_available()
+    if not (cfg.device == "cuda" or (cfg.device == "auto" and visible)):
+        return 0
+    pairs = _CUBLAS_PAIR.findall(os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        each = sum(int(size) * int(count) for size, count in pairs) * 1024
+    elif not visible or torch.cuda.get_device_capability()[0] in (9, 10):
+        each = 4096 * 1024 * 8
+    else:
+        each = (4096 * 2 + 16 * 8) * 1024
+    return 2 * each
 
 
 def _timeline_rows(points: list[TimelinePoint], limit: int = 12) -> list[list[str]]:
@@ -343,7 +386,7 @@ def print_plan(plan: TrainingPlan, out: TextIO) -> None:
     by_peak: dict[tuple[int, tuple[tuple[str, int], ...]], list[int]] = {}
     for r in plan.ranks:
         by_peak.setdefault((r.peak_bytes, tuple(r.by_category.items())), []).append(r.rank)
-    shown = [c for c in CATEGORIES if any(r.by_category.get(c, 0) for r in plan.ranks)]
+    shown = [c for c in PLAN_CATEGORIES if any(r.by_category.get(c, 0) for r in plan.ranks)]
     rows = []
     for (peak, cats), members in sorted(by_peak.items(), key=lambda kv: kv[1][0]):
         d = dict(cats)
