@@ -21,6 +21,9 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from shardwise.testing import multi_rank
 
+# torch >= 2.13's name; older torch has only all_gather_into_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # ---- the subclasses ----------------------------------------------------------
 
 # (kind, out) per post-hook call, and the tensors each pre-hook returned.
@@ -299,7 +302,7 @@ class _RecordingAllGather:
 
             def __call__(self, output_tensor, input_tensor, group, async_op=False):
                 self.sent.append((input_tensor.dtype, input_tensor.numel()))
-                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+                return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
         return Recording()
 
@@ -449,7 +452,7 @@ class _BytesAllGather:
             def __call__(self, output_tensor, input_tensor, group, async_op=False):
                 if output_tensor.dtype.itemsize == 1:
                     output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+                return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
         return BytesAllGather()
 

@@ -188,3 +188,42 @@ def test_plan_matches_max_memory_allocated():
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0.95 <= got["planned"] / got["measured"] <= 1.05, got
+
+
+def test_torchao_float8_all_gather_on_cuda_matches_pytorch():
+    """torchao's float8 training with float8 all-gathers on the GPU (float8
+    matrix products on the tensor cores): the forward sees float8 weights,
+    and outputs and gradients equal PyTorch's fully_shard's."""
+    pytest.importorskip("torchao")
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard as pt_fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    from shardwise import fully_shard as sw_fully_shard
+
+    runs = {}
+    for name, fs in (("shardwise", sw_fully_shard), ("torch", pt_fully_shard)):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.ReLU(), nn.Linear(512, 128, bias=False))
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        for m in (model[0], model[2], model):
+            fs(m)
+        seen = []
+        model[0].register_forward_pre_hook(lambda mod, args: seen.append(type(mod.weight)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        outs = []
+        for step in range(3):
+            x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+            y = model(x)
+            y.float().square().mean().backward()
+            outs.append((y.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        runs[name] = (outs, seen)
+    assert runs["shardwise"][1] == runs["torch"][1] == [Float8TrainingTensor] * 3
+    for (y, g), (ry, rg) in zip(runs["shardwise"][0], runs["torch"][0]):
+        torch.testing.assert_close(y, ry)
+        for n in g:
+            torch.testing.assert_close(g[n], rg[n], msg=n)
