@@ -28,7 +28,9 @@ each engine's own overhead (copies, hooks, allocation) and, with offload, the
 host-device traffic. Per config: the median step time (forward, backward,
 optimizer step, ``zero_grad``; CUDA-synchronized) over ``--steps`` steps after
 ``--warmup``, tokens/s, and the peak ``torch.cuda.max_memory_allocated`` over
-those steps. Configs are interleaved over ``--repeats`` repeats; the table
+those steps (before each config the previous one's garbage is collected and
+cuBLAS's workspaces exist already, so each peak is the config's own plus
+those). Configs are interleaved over ``--repeats`` repeats; the table
 shows each config's median over repeats and its ratio to ``torch_fsdp`` (to
 ``torch_offload`` for the offload configs).
 
@@ -44,6 +46,7 @@ Example: ``python benchmarks/bench_gpu.py --json gpu.json --trace /tmp/trace``
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import os
 import statistics
@@ -132,11 +135,21 @@ def _issue_collectives(model: torch.nn.Module) -> None:
             m.set_custom_reduce_scatter(Scatter())
 
 
+def _allocate_workspaces() -> None:
+    """Make cuBLAS's two workspaces (the forward thread's and autograd's)
+    before the first config, so that every config's peak holds them alike."""
+    a = torch.randn(64, 64, device="cuda", requires_grad=True)
+    (a @ a).sum().backward()
+    torch.cuda.synchronize()
+
+
 def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, n_layers=args.layers,
                     n_heads=args.heads)
     try:
+        gc.collect()  # the previous config's models (reference cycles) must not count in this one's peak
         torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
         model, opt, autocast = build(config, cfg, args)
         if args.compile:
             for block in model.blocks:  # as torchtitan: each block compiled in place (inductor)
@@ -165,8 +178,10 @@ def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
         peak = torch.cuda.max_memory_allocated()
         med = statistics.median(times)
         out = {"step_s": med, "tokens_per_s": args.batch * cfg.seq_len / med,
-               "peak_alloc_mib": peak / MIB, "loss_first": losses[0], "loss_last": losses[-1]}
+               "peak_alloc_mib": peak / MIB, "base_alloc_mib": base / MIB,
+               "loss_first": losses[0], "loss_last": losses[-1]}
         del model, opt
+        gc.collect()
         return out
     except Exception as exc:  # noqa: BLE001 - a failing config is reported, not fatal
         traceback.print_exc()
@@ -319,6 +334,7 @@ def main() -> None:
     torch.cuda.set_device(0)
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    _allocate_workspaces()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {args.layers}x{args.dim} "
           f"seq {args.seq} batch {args.batch}", flush=True)
     runs = run_repeats(args, run_config)
