@@ -22,7 +22,7 @@ CPU with the gloo backend, ``--nproc`` ranks (default 2), one thread per rank:
 ``RSS growth`` is the peak resident set size minus the resident size just before the
 model was built (the Python / torch / process-group baseline left out): the memory the
 model, its training and the library's buffers cost. The ``AG MiB/step`` column is the bytes each rank receives from parameter
-all-gathers per step (counted at ``all_gather_single``), for the FSDP configs.
+all-gathers per step (counted at each library's all-gather call), for the FSDP configs.
 
 Each config runs in its own freshly spawned set of rank processes, one config after another,
 so a process's peak RSS belongs to that config alone.  Per rank we measure the median step
@@ -184,28 +184,27 @@ def _current_rss_mib() -> float:
     return resident_pages * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
-def count_all_gather_bytes() -> None:
-    """Count bytes received by every ``all_gather_single`` (both FSDPs call it)."""
-    orig = dist.all_gather_single
+def count_all_gather_bytes(config: str) -> None:
+    """Count the bytes every parameter all-gather receives. PyTorch's FSDPs
+    call ``dist.all_gather_single``; shardwise's collectives (its defaults and
+    ``QuantizedAllGather``) go through ``shardwise.comm.all_gather_tensor``,
+    which is wrapped instead: replacing ``dist.all_gather_single`` would make
+    shardwise call the replacement, as PyTorch's test utilities expect, and
+    so leave its in-place gloo path ([Note: gloo without its copies])."""
 
-    def counting(output_tensor: torch.Tensor, input_tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
-        _AG_BYTES[0] += output_tensor.numel() * output_tensor.element_size()
-        return orig(output_tensor, input_tensor, *a, **k)
+    def counted(orig: Any) -> Any:
+        def counting(output_tensor: torch.Tensor, input_tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+            _AG_BYTES[0] += output_tensor.numel() * output_tensor.element_size()
+            return orig(output_tensor, input_tensor, *a, **k)
 
-    dist.all_gather_single = counting
-    try:  # shardwise binds its collective at import, and on gloo gathers by broadcasts
+        return counting
+
+    if config.startswith("shardwise"):
         import shardwise.comm
 
-        shardwise.comm._all_gather = counting
-        gloo_all_gather = shardwise.comm.gloo_all_gather
-
-        def counting_gloo(output: torch.Tensor, input_tensor: torch.Tensor, group: Any) -> Any:
-            _AG_BYTES[0] += output.numel() * output.element_size()
-            return gloo_all_gather(output, input_tensor, group)
-
-        shardwise.comm.gloo_all_gather = counting_gloo
-    except (ImportError, AttributeError):
-        pass
+        shardwise.comm.all_gather_tensor = counted(shardwise.comm.all_gather_tensor)
+    else:
+        dist.all_gather_single = counted(dist.all_gather_single)
 
 
 def worker(rank: int, config: str, args: argparse.Namespace, port: int, out_dir: str) -> None:
@@ -232,7 +231,7 @@ def _measure(rank: int, config: str, args: argparse.Namespace, port: int) -> dic
     model = GPT(cfg)
     n_params = model.num_params()
     if hasattr(dist, "all_gather_single"):
-        count_all_gather_bytes()
+        count_all_gather_bytes(config)
     model = wrap(config, model, args, args.nproc)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=FOREACH[args.foreach])
     batches = [
