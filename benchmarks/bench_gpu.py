@@ -242,7 +242,8 @@ def analyze(trace_file: Path) -> dict[str, Any]:
     is an NCCL kernel, or a device-to-device copy on another stream (at world
     size 1 NCCL runs an all-gather as such a copy). For collectives, for
     host-to-device copies and for every other stream: the share of their time
-    that a compute-stream kernel covered."""
+    that a compute-stream kernel covered; and how often, and how long, the
+    compute stream sat idle until a collective ended."""
     import json
 
     events = [e for e in json.loads(trace_file.read_text())["traceEvents"] if e.get("ph") == "X"]
@@ -272,8 +273,16 @@ def analyze(trace_file: Path) -> dict[str, Any]:
     streams = {str(t): share([k for k in side if k[2] == t]) for t in sorted({k[2] for k in side})}
     busy = sorted((s, e) for s, e, _, _ in every)
     span = (busy[-1][1] - busy[0][0]) if busy else 0.0
+    # Compute waiting on communication: an idle gap of the compute stream that
+    # ends within 15 us of a collective's end.
+    ordered = sorted(compute)
+    gaps = [(a[1], b[0]) for a, b in zip(ordered, ordered[1:]) if b[0] - a[1] > 2]
+    ends = sorted(c[1] for c in collectives)
+    waits = [(s, e) for s, e in gaps if any(s - 1 <= end <= e + 1 and e - end < 15 for end in ends)]
     return {"compute_stream": main_stream, "compute_kernels": len(compute),
             "compute_us": sum(k[1] - k[0] for k in compute), "gpu_span_us": span,
+            "compute_idle_us": sum(e - s for s, e in gaps),
+            "compute_waited_on_collectives": {"count": len(waits), "us": sum(e - s for s, e in waits)},
             "collectives": share(collectives), "h2d": share(h2d), "other_streams": streams}
 
 

@@ -72,8 +72,9 @@ def accuracy() -> list[dict]:
     return rows
 
 
-def cuda_accuracy() -> list[dict]:
-    """World size 1 on the GPU: planned peak against torch.cuda.max_memory_allocated."""
+def cuda_accuracy(configs: dict | None = None) -> list[dict]:
+    """World size 1 on the GPU: planned peak against torch.cuda.max_memory_allocated,
+    for ``configs`` (default: all of ``CONFIGS``; tests/gpu runs one)."""
     import torch
     import torch.distributed as dist
 
@@ -85,7 +86,7 @@ def cuda_accuracy() -> list[dict]:
     rows = []
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
-    for name, settings in CONFIGS.items():
+    for name, settings in (CONFIGS if configs is None else configs).items():
         cfg = TrainConfig(nproc=1, **{**settings, "batch_size": 8})
         plan = plan_training(cfg)
         resolved = _resolved(cfg, 1)

@@ -142,52 +142,33 @@ def test_quantized_all_gather_on_cuda():
 
 
 _PLAN_VS_CUDA = """
-import json, os, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from shardwise.train.config import TrainConfig
-from shardwise.train.model import build_model, shard_model
-from shardwise.train.plan import _resolved, plan_training
-from shardwise.train.step import make_optimizer, training_step
-
-cfg = TrainConfig(nproc=1, batch_size=8)
-planned = plan_training(cfg).ranks[0].peak_bytes
-resolved = _resolved(cfg, 1)
-torch.cuda.set_device(0)
-dist.init_process_group("nccl", rank=0, world_size=1)
-device = torch.device("cuda", 0)
-built = build_model(resolved, resolved.vocab_size, torch.device("meta"))
-shard_model(built, resolved, init_device_mesh("cuda", (1,)), device, initialise=False)
-optim = make_optimizer(built.model, resolved)
-torch.cuda.reset_peak_memory_stats()
-for _ in range(2):
-    tokens = torch.randint(0, resolved.vocab_size, (8, resolved.seq_len + 1), device=device)
-    training_step(built.model, built.logits, optim, lambda: (tokens[:, :-1], tokens[:, 1:]),
-                  grad_accum=resolved.grad_accum, grad_clip=resolved.grad_clip, lr=1e-3)
-    optim.zero_grad(set_to_none=True)
-torch.cuda.synchronize()
-print(json.dumps({"planned": planned, "measured": torch.cuda.max_memory_allocated()}))
-dist.destroy_process_group()
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import bench_plan
+name = "gpt fp32, blocks"
+print(json.dumps(bench_plan.cuda_accuracy({name: bench_plan.CONFIGS[name]})))
 """
 
 
 def test_plan_matches_max_memory_allocated():
     """The planned peak of the default GPT (fp32, a group per block) against
-    torch.cuda.max_memory_allocated over two steps, in a fresh process (so
-    that no earlier test's workspaces or cached blocks count); the plan
-    includes the cuBLAS workspaces ([Note: CUDA workspaces in the plan])."""
+    torch.cuda.max_memory_allocated over two steps (benchmarks/bench_plan.py's
+    measurement), in a fresh process so that no earlier test's workspaces or
+    cached blocks count; the plan includes the cuBLAS workspaces
+    ([Note: CUDA workspaces in the plan])."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = {**os.environ, "PYTHONPATH": src, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29573"}
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29573"}
     env.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", _PLAN_VS_CUDA], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _PLAN_VS_CUDA, str(root / "benchmarks")], capture_output=True,
+                          text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert 0.95 <= got["planned"] / got["measured"] <= 1.05, got
+    (row,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 0.95 <= row["ratio"] <= 1.05, row
 
 
 def test_torchao_float8_all_gather_on_cuda_matches_pytorch():

@@ -25,6 +25,7 @@ full run's to the byte.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -349,8 +350,6 @@ _CUBLAS_PAIR = re.compile(r":([0-9]+):([0-9]+)")
 def cuda_workspace_bytes(cfg: TrainConfig) -> int:
     """The cuBLAS workspaces a rank of ``cfg`` holds on CUDA (0 on the CPU);
     see [Note: CUDA workspaces in the plan]."""
-    import os
-
     visible = torch.cuda.is_available()
     if not (cfg.device == "cuda" or (cfg.device == "auto" and visible)):
         return 0
