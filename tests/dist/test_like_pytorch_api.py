@@ -30,6 +30,7 @@ from fsdp_reference import (  # noqa: E402  (shared with test_like_pytorch_train
     _sw,
     _train_compare,
     _x,
+    needs_torch,
 )
 from torch.distributed.tensor import DTensor, Shard
 
@@ -936,6 +937,7 @@ def test_replaced_collectives_are_called_like_torch():
     torch.testing.assert_close(got["shardwise"][1], got["torch"][1])
 
 
+@needs_torch(2, 13, "forward-mode AD through fully_shard")
 # torch.func.jvp through a sharded module whose inputs need gradients: the
 # post-backward identity must be a functorch-ready autograd.Function.
 @multi_rank(world_sizes=(2,))
@@ -1056,6 +1058,7 @@ class _ViewOut(nn.Module):
         return self.lin(x).view(-1)
 
 
+@needs_torch(2, 13, "warning for a module returning a view")
 @multi_rank(world_sizes=(2,))
 def test_view_output_warns_like_torch():
     got = {}

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_reference import needs_torch  # noqa: E402
 from shardwise.testing import multi_rank
 
 BF16 = torch.bfloat16
@@ -51,6 +52,7 @@ def _shard_mlp(model, fully_shard):
     return fully_shard(model)
 
 
+@needs_torch(2, 13, "forward-mode AD through fully_shard")
 @multi_rank(world_sizes=(1, 2))
 def test_jvp_and_forward_ad_through_a_sharded_module():
     """torch.func.jvp through sharded blocks gives the unsharded model's
@@ -96,6 +98,7 @@ class Indexed(nn.Module):
         return self.lin(x)[:, self.perm]
 
 
+@needs_torch(2, 13, "sharding of non-floating parameters")
 @multi_rank(world_sizes=(2, 4))
 def test_non_floating_parameters_are_sharded_and_never_get_gradients(world_size):
     """An int64 parameter beside float ones in one group (PyTorch 2.12+

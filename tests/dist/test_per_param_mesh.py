@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from fsdp_reference import CollectiveLog
+from fsdp_reference import CollectiveLog, needs_torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -89,6 +89,7 @@ def _shard(model, fully_shard, mesh, fn):
     return fully_shard(model, mesh=mesh, shard_placement_fn=fn)
 
 
+@needs_torch(2, 13, "shard_placement_fn results with a mesh")
 @pytest.mark.parametrize("kind", ["hsdp", "fsdp-2"])
 @multi_rank(world_sizes=(4,))
 def test_experts_on_their_own_mesh_match_pytorch(kind):
@@ -135,6 +136,7 @@ def test_experts_on_their_own_mesh_match_pytorch(kind):
     assert_models_match(sw, pt, rtol=0, atol=0, check_grads=False, msg="parameters after the steps")
 
 
+@needs_torch(2, 13, "Replicate() from shard_placement_fn")
 @multi_rank(world_sizes=(2, 4))
 def test_replicate_placement_all_reduces_like_ddp(world_size):
     """shard_placement_fn returning Replicate() for the biases: those stay
