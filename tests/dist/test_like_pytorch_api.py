@@ -937,9 +937,9 @@ def test_replaced_collectives_are_called_like_torch():
     torch.testing.assert_close(got["shardwise"][1], got["torch"][1])
 
 
-@needs_torch(2, 13, "forward-mode AD through fully_shard")
 # torch.func.jvp through a sharded module whose inputs need gradients: the
 # post-backward identity must be a functorch-ready autograd.Function.
+@needs_torch(2, 13, "forward-mode AD through fully_shard")
 @multi_rank(world_sizes=(2,))
 def test_forward_mode_jvp_through_a_sharded_module():
     got = {}

@@ -98,7 +98,7 @@ class Indexed(nn.Module):
         return self.lin(x)[:, self.perm]
 
 
-@needs_torch(2, 13, "sharding of non-floating parameters")
+@needs_torch(2, 12, "sharding of non-floating parameters")
 @multi_rank(world_sizes=(2, 4))
 def test_non_floating_parameters_are_sharded_and_never_get_gradients(world_size):
     """An int64 parameter beside float ones in one group (PyTorch 2.12+
