@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_reference import TORCH_VERSION
 
 from shardwise.testing import multi_rank, run_on_ranks
 
@@ -415,6 +416,11 @@ print(" ".join(committed))
 """
 
 
+@pytest.mark.skipif(
+    TORCH_VERSION < (2, 13),
+    reason="on torch < 2.13 a single DTensor op keeps the default group alive after destroy_process_group() "
+    "(held from C++, not from Python), so this check cannot see what shardwise keeps",
+)
 def test_background_saves_keep_no_destroyed_process_group(tmp_path):
     """After destroy_process_group() nothing of ours keeps the default group;
     initialised again, the next async save makes a new checkpoint group; at
