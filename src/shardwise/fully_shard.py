@@ -20,7 +20,7 @@ from shardwise._engine.setup import shard_modules
 from shardwise.comm import AllGather, ReduceScatter
 from shardwise.errors import AlreadyShardedError, ConfigError, ConfigTypeError
 from shardwise.mesh import default_mesh
-from shardwise.policies import MixedPrecisionPolicy, OffloadPolicy
+from shardwise.policies import MixedPrecisionPolicy, OffloadPolicy, as_policy
 
 __all__ = [
     "fully_shard",
@@ -475,6 +475,7 @@ def fully_shard(
         ``module`` itself (now also an ``FSDPModule``).
     """
     modules = _check_modules(module)
+    mp_policy, offload_policy = as_policy(mp_policy), as_policy(offload_policy)  # PyTorch's own, as ours
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ConfigTypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
     if offload_policy is None:  # PyTorch takes None as no offloading

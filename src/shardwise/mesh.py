@@ -5,7 +5,8 @@ which replicates (HSDP), this rank's place in each, and the smaller groups that
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import functools
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -346,6 +347,24 @@ def post_forward_subgroup(info: MeshInfo, size: int) -> SubgroupInfo:
     return mine
 
 
+_log = logging.getLogger("shardwise")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """Log ``message`` once per process, as PyTorch's fully_shard logs its
+    notes on arguments (a log record, not a Python warning)."""
+    _log.warning(message)
+
+
+def _factors(n: int) -> str:
+    """``"1, 2, 4 or 8"``: the positive factors of ``n``."""
+    found = [str(k) for k in range(1, n + 1) if n % k == 0]
+    if len(found) > 12:
+        return f"{', '.join(found[:6])}, ... or {found[-1]}"
+    return found[0] if len(found) == 1 else f"{', '.join(found[:-1])} or {found[-1]}"
+
+
 def resolve_reshard_after_forward(value: object, info: MeshInfo) -> bool | int:
     """Validate ``reshard_after_forward`` and normalise trivial ints to bools."""
     if isinstance(value, bool):
@@ -358,14 +377,13 @@ def resolve_reshard_after_forward(value: object, info: MeshInfo) -> bool | int:
     if value < 1 or info.shard_size % value != 0:
         raise ConfigError(
             f"If passing reshard_after_forward as an int, it should be a factor of {info.shard_size}, "
-            f"not {value}: reshard_after_forward={value} must be a positive factor of the shard "
-            f"group size {info.shard_size} (e.g. 1, 2, ..., {info.shard_size})."
+            f"not {value}: reshard_after_forward={value} must be one of the shard group size's "
+            f"factors ({_factors(info.shard_size)})."
         )
     if value == 1:
-        warnings.warn(
-            "reshard_after_forward=1 keeps every parameter whole after forward: the "
-            "same as reshard_after_forward=False, which is used.",
-            stacklevel=3,
+        _warn_once(
+            "reshard_after_forward=1 (an int: regather over 1 rank) keeps every parameter whole after "
+            "forward, the same as reshard_after_forward=False (a bool), which is used."
         )
         return False
     if value == info.shard_size:

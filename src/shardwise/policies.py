@@ -6,11 +6,17 @@ layer above can depend on it.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
+from typing import Any, TypeVar, cast
 
 import torch
 
 __all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+
+_T = TypeVar("_T")
 
 
 def _check_dtype(field: str, value: object) -> None:
@@ -89,3 +95,29 @@ class CPUOffloadPolicy(OffloadPolicy):
             raise TypeError(
                 f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}."
             )
+
+
+def from_pytorch(value: _T, ours: Mapping[str, type]) -> _T:
+    """PyTorch's own FSDP enum member, policy or config object (code that mixes
+    imports hands them to shardwise) as the class of the same name in ``ours``,
+    with the same fields; anything else unchanged. Recognised by the module
+    path of its class: nothing of PyTorch's FSDP is imported. The fields are
+    then checked as shardwise checks its own (PyTorch's classes check none)."""
+    if type(value).__module__.split(".")[:3] != ["torch", "distributed", "fsdp"]:
+        return value
+    cls = ours.get(type(value).__name__)
+    if cls is None:
+        return value
+    if isinstance(value, Enum):
+        return cast(_T, cast(Any, cls)[value.name])
+    names = [f.name for f in dataclasses.fields(cls)]
+    return cast(_T, cls(**{n: getattr(value, n) for n in names if hasattr(value, n)}))
+
+
+_POLICIES: dict[str, type] = {cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy)}
+
+
+def as_policy(value: _T) -> _T:
+    """PyTorch's ``MixedPrecisionPolicy`` / ``OffloadPolicy`` /
+    ``CPUOffloadPolicy`` as shardwise's (see :func:`from_pytorch`)."""
+    return from_pytorch(value, _POLICIES)

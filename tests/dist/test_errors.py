@@ -93,7 +93,7 @@ def test_mesh_and_world_mismatch():
     if dist.get_rank() == 1:
         _raises(ValueError, "not part of mesh", fully_shard, m, mesh=mesh)
     # a group size that does not divide the shard group
-    _raises(ValueError, "positive factor of the shard group size 2", fully_shard, nn.Linear(4, 4), reshard_after_forward=3)
+    _raises(ValueError, r"one of the shard group size's factors \(1 or 2\)", fully_shard, nn.Linear(4, 4), reshard_after_forward=3)
     _raises(ValueError, "reshard_after_forward should be a bool", fully_shard, nn.Linear(4, 4), reshard_after_forward="yes")
     _raises(TypeError, "mesh must be a torch.distributed.device_mesh.DeviceMesh", fully_shard, nn.Linear(4, 4), mesh="cpu")
 

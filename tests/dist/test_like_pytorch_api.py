@@ -166,6 +166,33 @@ def test_reshard_after_forward_int_with_hsdp(shape, raf):
         _steps_match(a, b, 2)
 
 
+@multi_rank(world_sizes=(2,))
+def test_pytorch_policy_objects_act_as_ours():
+    """Code that imports fully_shard from shardwise and its policies from
+    torch.distributed.fsdp: PyTorch's MixedPrecisionPolicy, CPUOffloadPolicy
+    and OffloadPolicy act as shardwise's own (before: refused, "mp_policy must
+    be a MixedPrecisionPolicy, got MixedPrecisionPolicy."). Trained as under
+    PyTorch's fully_shard with the same objects."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    a = Net()
+    b = copy.deepcopy(a)
+    for fs, m in ((_sw(), a), (_pt(), b)):
+        for blk in m.blocks:
+            fs(blk, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        fs(m, mp_policy=mp, offload_policy=OffloadPolicy())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b)]
+    for step in range(3):
+        _step_both(a, b, _x(step))
+        _assert_grads_equal(a, b)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    _assert_params_equal(a, b)
+
+
 # reduce_dtype only (param_dtype None): compute in fp32, reduce in bf16.
 @multi_rank(world_sizes=(2,))
 def test_mp_reduce_dtype_only():

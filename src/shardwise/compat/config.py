@@ -10,15 +10,15 @@ working. Each validates its fields when built.
 from __future__ import annotations
 
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, TypeVar, cast
+from typing import TypeVar
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from shardwise.policies import from_pytorch as _from_pytorch
 from shardwise.errors import ConfigError, ConfigTypeError
 
 __all__ = [
@@ -313,14 +313,6 @@ def from_pytorch(value: _T) -> _T:
     """PyTorch's own FSDP enum member or config object (e.g. its
     ``CPUOffload()``, which code mixing imports, or a default argument bound
     to PyTorch's class, hands to shardwise) as the shardwise one of the same
-    name and fields; anything else unchanged. (Recognised by the module path
-    of its class; nothing of PyTorch's FSDP is imported.)"""
-    if type(value).__module__.split(".")[:3] != ["torch", "distributed", "fsdp"]:
-        return value
-    ours = _OURS.get(type(value).__name__)
-    if ours is None:
-        return value
-    if isinstance(value, Enum):
-        return cast(_T, cast(Any, ours)[value.name])
-    names = [f.name for f in dataclasses.fields(cast(Any, ours))]
-    return cast(_T, ours(**{n: getattr(value, n) for n in names if hasattr(value, n)}))
+    name and fields; anything else unchanged (see
+    :func:`shardwise.policies.from_pytorch`)."""
+    return _from_pytorch(value, _OURS)
