@@ -23,6 +23,9 @@ CPU with the gloo backend, ``--nproc`` ranks (default 2), one thread per rank:
 model was built (the Python / torch / process-group baseline left out): the memory the
 model, its training and the library's buffers cost. The ``AG MiB/step`` column is the bytes each rank receives from parameter
 all-gathers per step (counted at each library's all-gather call), for the FSDP configs.
+``faults/step`` ([Note: page faults per step]) is the minor page faults a rank takes per
+timed step (``ru_minflt``): pages the allocator hands out fresh, each zeroed by the kernel,
+so it counts allocator churn (freed memory returned to the system and asked for again).
 
 Each config runs in its own freshly spawned set of rank processes, one config after another,
 so a process's peak RSS belongs to that config alone.  Per rank we measure the median step
@@ -239,6 +242,7 @@ def _measure(rank: int, config: str, args: argparse.Namespace, port: int) -> dic
         for i in range(args.warmup + args.steps)
     ]
     times, losses = [], []
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i, (inputs, targets) in enumerate(batches):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -249,14 +253,18 @@ def _measure(rank: int, config: str, args: argparse.Namespace, port: int) -> dic
         losses.append(loss.item())
         if i == args.warmup - 1:
             _AG_BYTES[0] = 0
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if i >= args.warmup:
             times.append(elapsed)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     result = {
         "step_ms": 1e3 * statistics.median(times),
         "peak_rss_mib": (peak := resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "rss_growth_mib": peak - base_rss_mib,
         "state_mib": model_state_bytes(model, opt) / MIB,
         "ag_mib_per_step": _AG_BYTES[0] / MIB / args.steps,
+        # [Note: page faults per step]: fresh pages the allocator had to fault in
+        "faults_per_step": faults / args.steps,
         "num_params": n_params,
         "first_loss": losses[0],
         "last_loss": losses[-1],
@@ -280,7 +288,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not good:
         return {"error": runs[0]["error"] if runs else "not run"}
     out: dict[str, Any] = {}
-    for key in ("step_ms", "peak_rss_mib", "rss_growth_mib", "state_mib", "ag_mib_per_step"):
+    for key in ("step_ms", "peak_rss_mib", "rss_growth_mib", "state_mib", "ag_mib_per_step", "faults_per_step"):
         out[key] = statistics.median(max(rk.get(key, 0.0) for rk in r["ranks"]) for r in good)
     out["repeats_ok"] = len(good)
     return out
@@ -289,8 +297,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
     """Plain-text table with ratios to the ``torch_fsdp`` baseline."""
     head = ("config", "step ms", "peak RSS MiB", "RSS growth", "state MiB", "AG MiB/step",
-            "step/torch", "growth/torch", "state/torch", "AG/torch")
-    lines = ["{:<16} {:>9} {:>13} {:>11} {:>10} {:>12} {:>11} {:>13} {:>12} {:>9}".format(*head)]
+            "step/torch", "growth/torch", "state/torch", "AG/torch", "faults/step")
+    lines = ["{:<16} {:>9} {:>13} {:>11} {:>10} {:>12} {:>11} {:>13} {:>12} {:>9} {:>12}".format(*head)]
     base = summary.get(BASELINE, {})
     for config, s in summary.items():
         if "error" in s:
@@ -303,7 +311,7 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"{config:<16} {s['step_ms']:>9.1f} {s['peak_rss_mib']:>13.1f} {s['rss_growth_mib']:>11.1f}"
             f" {s['state_mib']:>10.2f} {s['ag_mib_per_step']:>12.2f} {ratios[0]:>11} {ratios[1]:>13}"
-            f" {ratios[2]:>12} {ratios[3]:>9}"
+            f" {ratios[2]:>12} {ratios[3]:>9} {s.get('faults_per_step', 0.0):>12.0f}"
         )
     return "\n".join(lines)
 
