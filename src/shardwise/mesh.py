@@ -351,7 +351,7 @@ _log = logging.getLogger("shardwise")
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
+def _log_once(message: str) -> None:
     """Log ``message`` once per process, as PyTorch's fully_shard logs its
     notes on arguments (a log record, not a Python warning)."""
     _log.warning(message)
@@ -381,7 +381,7 @@ def resolve_reshard_after_forward(value: object, info: MeshInfo) -> bool | int:
             f"factors ({_factors(info.shard_size)})."
         )
     if value == 1:
-        _warn_once(
+        _log_once(
             "reshard_after_forward=1 (an int: regather over 1 rank) keeps every parameter whole after "
             "forward, the same as reshard_after_forward=False (a bool), which is used."
         )

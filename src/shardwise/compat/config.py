@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from shardwise.policies import from_pytorch as _from_pytorch
 from shardwise.errors import ConfigError, ConfigTypeError
+from shardwise.policies import from_pytorch as _from_pytorch
 
 __all__ = [
     "BackwardPrefetch",
