@@ -204,7 +204,9 @@ def test_under_torchrun_the_error_files_say_what_happened(runs, tmp_path):
     os.kill(stuck, signal.SIGSTOP)
     code, out, err, took = run.finish(60)
     assert code != 0 and took < 30, err
-    summary = err[err.index("Root Cause"):]
+    # The whole summary, not only its "Root Cause": when the stopped rank's SIGKILL and rank 0's exit land
+    # in the same second, torchrun may name either one as the first failure (seen once in CI).
+    summary = err[err.index("Failures:"):]
     assert "exitcode  : 124" in summary and "watchdog: rank 1 does not run" in summary, err
     assert f"rank 1: STUCK, pid {stuck} is stopped" in summary and not _alive(stuck)
 
