@@ -23,9 +23,9 @@ CPU with the gloo backend, ``--nproc`` ranks (default 2), one thread per rank:
 model was built (the Python / torch / process-group baseline left out): the memory the
 model, its training and the library's buffers cost. The ``AG MiB/step`` column is the bytes each rank receives from parameter
 all-gathers per step (counted at each library's all-gather call), for the FSDP configs.
-``faults/step`` ([Note: page faults per step]) is the minor page faults a rank takes per
-timed step (``ru_minflt``): pages the allocator hands out fresh, each zeroed by the kernel,
-so it counts allocator churn (freed memory returned to the system and asked for again).
+``faults/step`` is the minor page faults a rank takes per timed step (``ru_minflt``): almost
+all of them pages the allocator takes fresh from the system, each zeroed by the kernel, so it
+counts allocator churn (freed memory returned to the system and asked for again).
 
 Each config runs in its own freshly spawned set of rank processes, one config after another,
 so a process's peak RSS belongs to that config alone.  Per rank we measure the median step
@@ -263,8 +263,7 @@ def _measure(rank: int, config: str, args: argparse.Namespace, port: int) -> dic
         "rss_growth_mib": peak - base_rss_mib,
         "state_mib": model_state_bytes(model, opt) / MIB,
         "ag_mib_per_step": _AG_BYTES[0] / MIB / args.steps,
-        # [Note: page faults per step]: fresh pages the allocator had to fault in
-        "faults_per_step": faults / args.steps,
+        "faults_per_step": faults / args.steps,  # allocator churn (see the module docstring)
         "num_params": n_params,
         "first_loss": losses[0],
         "last_loss": losses[-1],

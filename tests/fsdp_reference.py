@@ -120,6 +120,17 @@ def _steps_match(a, b, steps, same=None, zero_grad=True):
                 m.zero_grad()
 
 
+def _optim_steps_match(a, b, opts, steps):
+    """Step ``it`` for each ``it`` in ``steps`` on both models (inputs ``_x(it)``):
+    same outputs and gradients, then each optimizer in ``opts`` steps and zeroes."""
+    for it in steps:
+        _step_both(a, b, _x(it))
+        _assert_grads_equal(a, b)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
 def _param_types(model):
     return {n: "DTensor" if isinstance(p, DTensor) else type(p).__name__ for n, p in model.named_parameters()}
 

@@ -23,6 +23,7 @@ from fsdp_reference import (  # noqa: E402  (shared with test_like_pytorch_train
     _assert_params_equal,
     _full,
     _mp,
+    _optim_steps_match,
     _param_types,
     _pt,
     _step_both,
@@ -183,13 +184,7 @@ def test_pytorch_policy_objects_act_as_ours():
         for blk in m.blocks:
             fs(blk, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=False))
         fs(m, mp_policy=mp, offload_policy=OffloadPolicy())
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b)]
-    for step in range(3):
-        _step_both(a, b, _x(step))
-        _assert_grads_equal(a, b)
-        for o in opts:
-            o.step()
-            o.zero_grad()
+    _optim_steps_match(a, b, [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b)], range(3))
     _assert_params_equal(a, b)
 
 
