@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import functools
 import os
 import sys
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+if TYPE_CHECKING:
+    from shardwise.train.config import TrainConfig
 
 __all__ = ["main"]
 
@@ -102,7 +103,7 @@ def _unknown_arguments(parser: argparse.ArgumentParser, command: str, extra: lis
     return f"unknown flag {name}{hint} (`shardwise {command} --help` lists them all)"
 
 
-def _fail(message: str, code: int, command: str = "train") -> None:
+def _fail(message: str, code: int, command: str = "train") -> NoReturn:
     # Under torchrun every rank finds the same mistake; one message is enough.
     if os.environ.get("RANK", "0") == "0":
         print(f"shardwise {command}: error: {message}", file=sys.stderr, flush=True)
@@ -120,63 +121,79 @@ def plan_command(ns: argparse.Namespace) -> None:
         result = plan_training(cfg, ranks=ns.rank, repeat=not ns.every_layer)
     except (ShardwiseError, ValueError, TypeError) as exc:
         _fail(str(exc), 2, "plan")
-        return
     print_plan(result, sys.stdout)
     if ns.json:
         write_json(result, ns.json)
         print(f"\nwrote {ns.json}")
 
 
-def train_command(ns: argparse.Namespace) -> None:
-    """Resolve, check and run ``shardwise train`` for parsed arguments."""
+def _train_config(ns: argparse.Namespace) -> TrainConfig:
+    """``shardwise train``'s settings from the parsed flags (and TOML file), or exit 2 naming the mistake."""
     from shardwise.errors import ShardwiseError
     from shardwise.train.config import config_from_flags
+
+    try:
+        return config_from_flags(ns)
+    except (ShardwiseError, ValueError, TypeError) as exc:
+        _fail(str(exc), 2)
+
+
+def train_command(cfg: TrainConfig) -> None:
+    """Check and run ``shardwise train`` with settings ``cfg``."""
+    from shardwise.errors import ShardwiseError
     from shardwise.train.launch import dry_run, preflight, torchrun_world
     from shardwise.train.loop import launch
     from shardwise.train.report import console_logging
     from shardwise.train.supervise import RunFailed
 
     try:
-        cfg = config_from_flags(ns)
         # the library logs, the command shows: --log-level (under torchrun, this process is rank RANK)
         console_logging(cfg.log_level, rank=int(os.environ["RANK"]) if "RANK" in os.environ else None)
         plan = preflight(cfg, torchrun_world(cfg))
-        if cfg.dry_run:
-            if plan.world.rank == 0:
-                dry_run(plan)
-            return
     except (ShardwiseError, ValueError, TypeError) as exc:
         _fail(str(exc), 2)
+    if cfg.dry_run:
+        if plan.world.rank == 0:
+            dry_run(plan)
         return
     try:
         launch(plan)
     except RunFailed as exc:  # one message, whichever way a rank failed; under torchrun in the error file too
-        ErrorHandler().record_exception(exc)
+        _error_handler().record_exception(exc)
         _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
 
 
-class _ErrorHandler(ErrorHandler):
-    """torchelastic's, except that it turns on the fault handler only where
-    stderr is a file (``main()`` called in-process, e.g. under pytest's
-    capture, would otherwise warn "Unable to enable fault handler")."""
+def _error_handler() -> Any:
+    """torchelastic's error handler, except that it turns on the fault handler
+    only where stderr is a file (``main()`` called in-process, e.g. under
+    pytest's capture, would otherwise warn "Unable to enable fault handler")."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    def initialize(self) -> None:
-        try:
-            sys.stderr.fileno()
-        except (AttributeError, OSError, ValueError):
-            return
-        super().initialize()
+    class _ErrorHandler(ErrorHandler):
+        def initialize(self) -> None:
+            try:
+                sys.stderr.fileno()
+            except (AttributeError, OSError, ValueError):
+                return
+            super().initialize()
+
+    return _ErrorHandler()
 
 
-@functools.partial(record, error_handler=_ErrorHandler())
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``shardwise`` console script and ``python -m shardwise``.
 
     Under ``torchrun`` (which sets ``TORCHELASTIC_ERROR_FILE``) an exception that
-    ends this rank is written to that file (``@record``), so torchrun's failure
-    report names the first failing rank's exception and traceback.
+    ends this rank is written to that file (torchelastic's ``@record``), so
+    torchrun's failure report names the first failing rank's exception and
+    traceback.
+
+    A local ``shardwise train`` starts its ranks' fork server as soon as the
+    settings are checked, before this process imports torch: the server's
+    import of torch and this process's then run at once
+    (:mod:`shardwise.train.ranks`).
 
     Args:
         argv: the arguments (without the program name). (Default: ``None``: ``sys.argv[1:]``)
@@ -186,9 +203,23 @@ def main(argv: list[str] | None = None) -> None:
     if extra:
         _fail(_unknown_arguments(parser, ns.command, extra), 2, ns.command)
     if ns.command == "train":
-        train_command(ns)
+        from shardwise.train.ranks import start_server, stop_server, under_torchrun
+
+        cfg = _train_config(ns)
+        started = not cfg.dry_run and not under_torchrun() and start_server(cfg.nproc)
+        try:
+            _recorded(train_command)(cfg)
+        finally:
+            if started:  # however the command ended (a check refused the run, say), its server goes with it
+                stop_server()
     elif ns.command == "plan":
-        plan_command(ns)
+        _recorded(plan_command)(ns)
+
+
+def _recorded(command: Any) -> Any:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(command, error_handler=_error_handler())
 
 
 if __name__ == "__main__":

@@ -80,3 +80,10 @@ class SummonError(UsageError, AssertionError):
 class CommHookError(UsageError, AssertionError):
     """register_comm_hook refused: a second hook, a nested wrapper, a hybrid
     strategy (PyTorch's FSDP1 asserts)."""
+
+
+MIN_TIMEOUT = 2.0
+"""The shortest watchdog timeout accepted, in seconds (``shardwise.watchdog.Watchdog``
+and ``shardwise train --watchdog-timeout``); anything under a minute is for tests.
+It lives beside the errors it bounds so that checking a training configuration
+imports no torch (``shardwise.watchdog`` re-exports it)."""

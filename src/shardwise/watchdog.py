@@ -82,10 +82,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 import shardwise.observe as observe
-from shardwise.errors import ConfigError, UsageError
+from shardwise.errors import MIN_TIMEOUT, ConfigError, UsageError
 
 __all__ = [
     "EXIT_CODE",
+    "MIN_TIMEOUT",
     "RankRecord",
     "Watchdog",
     "WatchdogReport",
@@ -102,9 +103,6 @@ log = logging.getLogger("shardwise.watchdog")
 
 EXIT_CODE = 124
 """The exit status of every rank of a run the watchdog ended (as ``timeout(1)``'s)."""
-
-MIN_TIMEOUT = 2.0
-"""The shortest ``timeout`` accepted (seconds); anything under a minute is for tests."""
 
 _PREFIX = "shardwise/watchdog/"
 _STEP_POLL = 0.1  # seconds between looks at the step between publications

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ LAYERS = {
     "shardwise.compat": 5,  # the wrapper API, above fully_shard and wrap
     "shardwise.models": 0,
     "shardwise.layout": 0,  # chunk arithmetic, used by every layer
+    "shardwise._lazy": 0,  # the packages' names loaded on first use
     "shardwise.planner": 0,  # depends on policies, layout and observe alone
     "shardwise.observe": 0,  # what the engine tells observers (the planner's tracker)
     "shardwise.watchdog": 1,  # over observe and errors: the engine's regions are its progress events
@@ -111,6 +115,69 @@ def test_public_names_are_exact():
     )
     for name in shardwise.__all__:
         assert getattr(shardwise, name) is not None
+
+
+def _python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (nothing imported yet) and return its output."""
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_public_names_load_on_first_use():
+    import shardwise.train
+
+    # every public name has a home, and nothing else is offered
+    for package in (shardwise, shardwise.train):
+        assert set(package.__all__) == set(package._exports)
+        for name in package.__all__:
+            assert name in dir(package)
+    # The function, never the submodule of the same name, however the package was
+    # reached first: through another name whose module imports shardwise.fully_shard,
+    # through the submodule itself, or by star import.
+    out = _python(
+        "import types\n"
+        "from shardwise import FullyShardedDataParallel\n"
+        "import shardwise, shardwise.fully_shard, shardwise.train.launch\n"
+        "from shardwise import fully_shard\n"
+        "from shardwise import *\n"
+        "from shardwise import checkpoint\n"
+        "import shardwise.train as train\n"
+        "print(type(fully_shard).__name__, type(shardwise.fully_shard).__name__, FSDPModule.__name__,\n"
+        "      checkpoint.__name__, train.launch.__module__)\n"
+    )
+    assert out.split() == ["function", "function", "FSDPModule", "shardwise.checkpoint", "shardwise.train.loop"]
+
+
+def test_the_command_checks_its_settings_without_torch():
+    """``shardwise train`` starts its ranks' fork server before it imports torch
+    (``shardwise.train.ranks``): parsing and checking the settings must not import it."""
+    out = _python(
+        "import sys\n"
+        "import shardwise, shardwise.train\n"
+        "from shardwise.cli import _parser, _train_config\n"
+        "ns, _ = _parser().parse_known_args(['train', '--steps', '3', '--watchdog-timeout', '30'])\n"
+        "print(_train_config(ns).steps, sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    assert out.split() == ["3", "[]"]
+
+
+def test_a_fork_server_started_early_is_stopped_when_the_launch_is_refused():
+    out = _python(
+        "import os\n"
+        "from multiprocessing import forkserver\n"
+        "from shardwise.train.ranks import start_server, stop_server\n"
+        "assert start_server(2) is True\n"
+        "pid = forkserver._forkserver._forkserver_pid\n"
+        "assert start_server(2) is False  # running already: not this call's to stop\n"
+        "stop_server()\n"
+        "try:\n"
+        "    os.kill(pid, 0)\n"
+        "except ProcessLookupError:\n"
+        "    print('gone')\n"
+    )
+    assert out.split() == ["gone"]
 
 
 @pytest.mark.parametrize("name,path", _modules(), ids=lambda v: str(v))

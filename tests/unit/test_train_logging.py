@@ -153,7 +153,7 @@ def test_a_failing_rank_writes_torchelastic_error_file(tmp_path):
     error_file = tmp_path / "error.json"
     code = (
         "import shardwise.cli as cli\n"
-        "def fail(ns):\n"
+        "def fail(cfg):\n"
         "    raise RuntimeError('rank 3 ran out of luck')\n"
         "cli.train_command = fail\n"
         "cli.main(['train'])\n"

@@ -14,7 +14,6 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import traceback
@@ -26,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
+
+from shardwise.train.ranks import loopback_interface
 
 _OK = "ok"
 _ERROR = "error"
@@ -85,7 +86,7 @@ def _worker_main(
             MASTER_ADDR=_HOST,
             MASTER_PORT=str(store_port),
         )
-        loopback = _loopback_interface()
+        loopback = loopback_interface()
         if loopback is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         torch.set_num_threads(1)
@@ -349,15 +350,3 @@ def _exit_with_parent(dump_path: str) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="shardwise-parent-watchdog", daemon=True).start()
-
-
-def _loopback_interface() -> str | None:
-    """Name of the loopback network interface (``lo``, ``lo0``), if any."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (AttributeError, OSError):
-        return None
-    for name in names:
-        if name in ("lo", "lo0"):
-            return name
-    return None

@@ -10,14 +10,21 @@ line, on one machine (``--nproc`` local ranks) or many (``torchrun``).
 * ``report``   progress bar and tables; ``plot`` the PNG of loss and memory
 """
 
-from shardwise.train.config import TrainConfig, load_toml, resolve
-from shardwise.train.launch import (
-    Plan,
-    World,
-    dry_run,
-    preflight,
-    torchrun_world,
-)
-from shardwise.train.loop import launch
+from typing import TYPE_CHECKING
+
+from shardwise._lazy import make_lazy
+
+if TYPE_CHECKING:
+    from shardwise.train.config import TrainConfig, load_toml, resolve
+    from shardwise.train.launch import Plan, World, dry_run, preflight, torchrun_world
+    from shardwise.train.loop import launch
 
 __all__ = ["Plan", "TrainConfig", "World", "dry_run", "launch", "load_toml", "preflight", "resolve", "torchrun_world"]
+
+# Each name loads its submodule (and torch) when first used: the command parses
+# its flags (``config``) without torch.
+make_lazy(__name__, {
+    "TrainConfig": "config", "load_toml": "config", "resolve": "config",
+    "Plan": "launch", "World": "launch", "dry_run": "launch", "preflight": "launch", "torchrun_world": "launch",
+    "launch": "loop",
+})

@@ -21,9 +21,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from shardwise.errors import ConfigError, ConfigTypeError
+from shardwise.errors import MIN_TIMEOUT, ConfigError, ConfigTypeError
 from shardwise.train.plot import check_matplotlib
-from shardwise.watchdog import MIN_TIMEOUT
 
 __all__ = [
     "SECTIONS",

@@ -28,6 +28,7 @@ from shardwise.train.model import (
     planner_groups,
     reshard_after_forward,
 )
+from shardwise.train.ranks import under_torchrun
 from shardwise.train.report import fmt_bytes
 
 __all__ = ["Plan", "World", "dry_run", "estimates", "preflight", "torchrun_world"]
@@ -47,7 +48,7 @@ class World:
 def torchrun_world(cfg: TrainConfig, env: dict[str, str] | None = None) -> World:
     """The world from torchrun's environment (``RANK``, ``WORLD_SIZE``, ...), else ``cfg.nproc`` local ranks."""
     env = dict(os.environ) if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
+    if under_torchrun(env):
         size = int(env["WORLD_SIZE"])
         return World(size, True, int(env["RANK"]), int(env.get("LOCAL_RANK", "0")),
                      int(env.get("LOCAL_WORLD_SIZE", str(size))))

@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +37,7 @@ from shardwise.train.data import Batches
 from shardwise.train.launch import Plan, estimates
 from shardwise.train.model import BuiltModel, build_model, shard_model
 from shardwise.train.plot import Panel, write_plot
+from shardwise.train.ranks import rank_environment, start_method
 from shardwise.train.report import (
     Progress,
     RankStats,
@@ -383,29 +383,6 @@ def _to_torchrun(report: watchdog.WatchdogReport) -> None:
                 "py_callstack": report.message + "\n", "timestamp": str(int(time.time()))}}}, fh)
 
 
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (OSError, AttributeError):  # pragma: no cover - platforms without if_nameindex
-        return None
-    return next((n for n in names if n == "lo" or n.startswith("lo")), None)
-
-
-def _start_method() -> str:
-    """``forkserver`` where there is one, its server importing this module (and
-    so torch) once, then forking every rank from it: each rank starts without
-    importing torch anew (seconds each on a small machine), and nothing this
-    process has run is inherited, as with ``spawn`` (the fallback)."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    # read when the server starts: the first launch of this process, with the
-    # environment set above
-    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
-    return "forkserver"
-
-
 def launch(plan: Plan) -> None:
     """Run the training: this process as one rank under torchrun, else
     ``world.size`` spawned local processes (gloo or NCCL over 127.0.0.1).
@@ -422,12 +399,7 @@ def launch(plan: Plan) -> None:
         return
     import torch.multiprocessing as mp
 
-    # Each rank gets an equal share of the cores (one thread each on a small machine).
-    threads = max(1, (os.cpu_count() or 1) // plan.world.size)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    loopback = _loopback_interface()
-    if loopback is not None and plan.device_type == "cpu":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    rank_environment(plan.world.size)  # what the ranks inherit (the command may have started their server already)
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, None, True, timeout=timedelta(minutes=10), wait_for_workers=False
     )
@@ -435,7 +407,7 @@ def launch(plan: Plan) -> None:
     try:
         context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             run_rank, args=(plan.world.size, plan, store.port), nprocs=plan.world.size,
-            start_method=_start_method(), join=False,
+            start_method=start_method(), join=False,
         )
         supervise(context, store, plan.world.size,
                   lambda: checkpoint_hint(cfg.checkpoint_dir, bool(cfg.checkpoint_every or cfg.stop_at)))
