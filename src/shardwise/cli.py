@@ -209,9 +209,10 @@ def main(argv: list[str] | None = None) -> None:
         started = not cfg.dry_run and not under_torchrun() and start_server(cfg.nproc)
         try:
             _recorded(train_command)(cfg)
-        finally:
-            if started:  # however the command ended (a check refused the run, say), its server goes with it
+        except BaseException:
+            if started:  # a check refused the run, say: no server left importing torch for nothing
                 stop_server()
+            raise
     elif ns.command == "plan":
         _recorded(plan_command)(ns)
 

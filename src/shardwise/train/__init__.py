@@ -5,8 +5,9 @@ line, on one machine (``--nproc`` local ranks) or many (``torchrun``).
 * ``data``     token streams (text bytes, uint16 / uint32 ``.bin``, Python's own text), per-rank slices
 * ``model``    the built-in GPT or a Hugging Face causal LM, and how it is sharded
 * ``schedule`` warm-up + cosine learning rate
-* ``launch``   checks before any rank starts, dry run, starting the ranks
-* ``loop``     one rank's training: steps, checkpoints, export, summary
+* ``launch``   checks before any rank starts, dry run
+* ``ranks``    the local ranks' environment and the fork server they start from
+* ``loop``     one rank's training: steps, checkpoints, export, summary; starting the ranks
 * ``report``   progress bar and tables; ``plot`` the PNG of loss and memory
 """
 

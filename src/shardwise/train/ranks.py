@@ -68,16 +68,17 @@ def start_server(nproc: int) -> bool:
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
-    running = getattr(server, "_forkserver_pid", None) is not None
-    forkserver.ensure_running()
-    return not running
+    before = getattr(server, "_forkserver_pid", None)
+    forkserver.ensure_running()  # (re)starts it unless it runs
+    return getattr(server, "_forkserver_pid", None) != before
 
 
 def stop_server() -> None:
-    """Stop the fork server, once the command that started it
-    (:func:`start_server` returned ``True``) is done with it. Where no rank
-    ever started (a check refused the run), this spares the machine a server
-    still importing torch for nothing after the command has exited."""
+    """Stop the fork server that :func:`start_server` started (it returned
+    ``True``) for a command that failed, a check refusing the run, say: no
+    server is left importing torch for nothing after the command has exited.
+    (After a run, the server stays for the next launch of this process, as
+    ever.)"""
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
