@@ -18,9 +18,12 @@ import argparse
 import difflib
 import os
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
     from shardwise.train.config import TrainConfig
 
 __all__ = ["main"]
@@ -150,12 +153,12 @@ def train_command(cfg: TrainConfig) -> None:
         # the library logs, the command shows: --log-level (under torchrun, this process is rank RANK)
         console_logging(cfg.log_level, rank=int(os.environ["RANK"]) if "RANK" in os.environ else None)
         plan = preflight(cfg, torchrun_world(cfg))
+        if cfg.dry_run:
+            if plan.world.rank == 0:
+                dry_run(plan)
+            return
     except (ShardwiseError, ValueError, TypeError) as exc:
         _fail(str(exc), 2)
-    if cfg.dry_run:
-        if plan.world.rank == 0:
-            dry_run(plan)
-        return
     try:
         launch(plan)
     except RunFailed as exc:  # one message, whichever way a rank failed; under torchrun in the error file too
@@ -165,13 +168,13 @@ def train_command(cfg: TrainConfig) -> None:
         _fail("interrupted", 130)
 
 
-def _error_handler() -> Any:
+def _error_handler() -> ErrorHandler:
     """torchelastic's error handler, except that it turns on the fault handler
     only where stderr is a file (``main()`` called in-process, e.g. under
     pytest's capture, would otherwise warn "Unable to enable fault handler")."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    class _ErrorHandler(ErrorHandler):
+    class _QuietErrorHandler(ErrorHandler):
         def initialize(self) -> None:
             try:
                 sys.stderr.fileno()
@@ -179,7 +182,7 @@ def _error_handler() -> Any:
                 return
             super().initialize()
 
-    return _ErrorHandler()
+    return _QuietErrorHandler()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -217,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         _recorded(plan_command)(ns)
 
 
-def _recorded(command: Any) -> Any:
+def _recorded(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` under torchelastic's ``@record`` (see :func:`main`)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return record(command, error_handler=_error_handler())

@@ -33,7 +33,7 @@ def loopback_interface() -> str | None:
         names = [name for _, name in socket.if_nameindex()]
     except (OSError, AttributeError):  # pragma: no cover - platforms without if_nameindex
         return None
-    return next((n for n in names if n == "lo" or n.startswith("lo")), None)
+    return next((n for n in names if n.startswith("lo")), None)
 
 
 def rank_environment(nproc: int) -> None:
