@@ -6,24 +6,7 @@ from shardwise._lazy import make_lazy
 
 if TYPE_CHECKING:
     from shardwise.comm import AllGather, Comm, ReduceScatter
-    from shardwise.compat import (
-        BackwardPrefetch,
-        CPUOffload,
-        FullOptimStateDictConfig,
-        FullStateDictConfig,
-        FullyShardedDataParallel,
-        LocalOptimStateDictConfig,
-        LocalStateDictConfig,
-        MixedPrecision,
-        OptimStateDictConfig,
-        OptimStateKeyType,
-        ShardedOptimStateDictConfig,
-        ShardedStateDictConfig,
-        ShardingStrategy,
-        StateDictConfig,
-        StateDictSettings,
-        StateDictType,
-    )
+    from shardwise.compat import *  # the wrapper API: exactly compat.__all__
     from shardwise.compression import QuantizedAllGather
     from shardwise.fully_shard import (
         FSDPModule,
