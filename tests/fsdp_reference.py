@@ -106,29 +106,22 @@ def _assert_params_equal(a, b):
         torch.testing.assert_close(_full(pa), _full(pb), msg=n)
 
 
-def _steps_match(a, b, steps, same=None, zero_grad=True):
-    """``steps`` forward/backward steps of both models on the same inputs, the
-    gradients compared after each (and ``same(a) == same(b)`` when given),
-    then zeroed unless ``zero_grad`` is False (gradients accumulate)."""
-    for it in range(steps):
+def _steps_match(a, b, steps, same=None, zero_grad=True, opts=()):
+    """Forward/backward steps of both models on the same inputs (``_x(it)`` for
+    each ``it`` in ``steps``, or in ``range(steps)`` for an int), the outputs and
+    gradients compared after each (and ``same(a) == same(b)`` when given); then
+    each optimizer in ``opts`` steps, and the gradients are zeroed unless
+    ``zero_grad`` is False (gradients accumulate)."""
+    for it in range(steps) if isinstance(steps, int) else steps:
         _step_both(a, b, _x(it))
         _assert_grads_equal(a, b)
         if same is not None:
             assert same(a) == same(b), (same.__name__, it)
+        for opt in opts:
+            opt.step()
         if zero_grad:
             for m in (a, b):
                 m.zero_grad()
-
-
-def _optim_steps_match(a, b, opts, steps):
-    """Step ``it`` for each ``it`` in ``steps`` on both models (inputs ``_x(it)``):
-    same outputs and gradients, then each optimizer in ``opts`` steps and zeroes."""
-    for it in steps:
-        _step_both(a, b, _x(it))
-        _assert_grads_equal(a, b)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
 
 
 def _param_types(model):

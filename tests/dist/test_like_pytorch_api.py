@@ -23,7 +23,6 @@ from fsdp_reference import (  # noqa: E402  (shared with test_like_pytorch_train
     _assert_params_equal,
     _full,
     _mp,
-    _optim_steps_match,
     _param_types,
     _pt,
     _step_both,
@@ -184,7 +183,7 @@ def test_pytorch_policy_objects_act_as_ours():
         for blk in m.blocks:
             fs(blk, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=False))
         fs(m, mp_policy=mp, offload_policy=OffloadPolicy())
-    _optim_steps_match(a, b, [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b)], range(3))
+    _steps_match(a, b, 3, opts=[torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b)])
     _assert_params_equal(a, b)
 
 

@@ -18,7 +18,6 @@ from fsdp_reference import (  # noqa: E402  (shared with test_like_pytorch_api.p
     _assert_grads_equal,
     _assert_params_equal,
     _mp,
-    _optim_steps_match,
     _param_types,
     _pt,
     _step_and_compare,
@@ -1152,7 +1151,7 @@ def test_load_state_dict_assign_after_first_forward_like_torch():
     with torch.no_grad():
         halved, theirs = a(_x(1)), b(_x(1))
     torch.testing.assert_close(halved, theirs)  # both compute with the loaded weights
-    _optim_steps_match(a, b, opts, (1, 2, 3))
+    _steps_match(a, b, (1, 2, 3), opts=opts)
     _assert_params_equal(a, b)
     with torch.no_grad():
         assert not torch.allclose(a(_x(1)), halved)  # the optimizer trains what forward reads
