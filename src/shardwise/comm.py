@@ -90,7 +90,7 @@ def all_gather_tensor(
     if input_tensor.dtype.is_floating_point and input_tensor.dtype.itemsize == 1:
         output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
     all_gather = getattr(dist, _AG_NAME)
-    if all_gather is _ORIGINAL_AG and _in_place_gloo(group, output_tensor, input_tensor):
+    if all_gather is _ORIGINAL_AG and _in_place_gloo(group, output_tensor, input_tensor, _IN_PLACE_MIN_BYTES):
         return _finish(gloo_all_gather(output_tensor, input_tensor, group), async_op)
     return cast("WorkHandle | None", all_gather(output_tensor, input_tensor, group=group, async_op=async_op))
 
@@ -132,21 +132,28 @@ def reduce_scatter_tensor(
 # (Point-to-point send / recv from the training thread was tried first: on a
 # loaded CPU, posting a receive waits on the transport's lock while gloo's
 # loop thread moves other data, 3 ms per call on the 24-block benchmark.)
-# Small collectives (under 1 MiB per rank) stay gloo's: there the copies saved
-# are small next to the extra collective per rank.
+# Small all-gathers (under 1 MiB per rank) stay gloo's: there the copies saved
+# are small next to the extra collective per rank. The two-rank reduce-scatter
+# takes the all-to-all at every size: it is one collective either way, and
+# gloo's all-reduce underneath its reduce-scatter makes two exchanges of it
+# (1.0 vs 2.7-3.1 ms a call for 132-264 KiB inputs, 0.8-1.0 vs 1.9-2.0 ms for
+# 4 KiB, on this project's 2-core machine).
 # Under a Python dispatch mode (``CommDebugMode``, shardwise's memory tracker,
 # fake tensors) the collectives stay gloo's, so whoever counts them sees what
 # PyTorch's FSDP issues, and a plan matches its measurement.
 
-# Below this many bytes sent per rank, gloo's own collectives: the copies saved
+# Below this many bytes sent per rank, gloo's own all-gather: the copies saved
 # are small next to the extra collective per rank (on the 24-block benchmark,
 # 132 KiB shards, no gain could be told from the noise).
 _IN_PLACE_MIN_BYTES = 1 << 20
 _gloo: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
 
 
-def _in_place_gloo(group: dist.ProcessGroup | None, output: torch.Tensor, input: torch.Tensor) -> bool:
-    """Whether a collective of ours over ``group`` takes gloo's in-place path."""
+def _in_place_gloo(
+    group: dist.ProcessGroup | None, output: torch.Tensor, input: torch.Tensor, min_bytes: int = 0
+) -> bool:
+    """Whether a collective of ours over ``group`` takes gloo's in-place path
+    (for an ``input`` of at least ``min_bytes``)."""
     if group is None:
         return False
     ok = _gloo.get(group)
@@ -160,7 +167,7 @@ def _in_place_gloo(group: dist.ProcessGroup | None, output: torch.Tensor, input:
         _gloo[group] = ok
     if not ok or output.device.type != "cpu" or not (output.is_contiguous() and input.is_contiguous()):
         return False
-    if input.numel() * input.element_size() < _IN_PLACE_MIN_BYTES:
+    if input.numel() * input.element_size() < min_bytes:
         return False
     return torch._C._len_torch_dispatch_stack() == 0 and not isinstance(output, FakeTensor)
 

@@ -368,11 +368,15 @@ def test_gloo_in_place_collectives_equal_gloo_collectives(world_size):
     group = dist.group.WORLD
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank)
-    # by default from 1 MiB sent per rank (300,000 floats); small ones too here
-    big = torch.zeros(300_000)
-    for n, in_place in ((big.numel(), True), (10, False)):
+    # all-gathers by default from 1 MiB sent per rank (300,000 floats), the
+    # two-rank reduce-scatter at every size; small all-gathers too here
+    big = torch.zeros(world_size * 300_000)
+    for n, in_place in ((300_000, True), (10, False)):
         work = comm.all_gather_tensor(torch.empty(world_size * n), big[:n], group, True)
         assert isinstance(work, comm._Works) == in_place, (n, type(work))
+        work.wait()
+        work = comm.reduce_scatter_tensor(torch.empty(n), big[: world_size * n], group, dist.ReduceOp.SUM, True)
+        assert isinstance(work, comm._Works) == (world_size == 2), (n, type(work))
         work.wait()
     default_min, comm._IN_PLACE_MIN_BYTES = comm._IN_PLACE_MIN_BYTES, 0
     cases = [(n, dtype) for n in (0, 1, 7, 1000, 300_000) for dtype in (torch.float32, torch.bfloat16)]
