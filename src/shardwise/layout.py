@@ -127,6 +127,10 @@ class FlatLayout(NamedTuple):
     dim0: bool
     # ... and each holds at least one row per rank (``torch._chunk_cat`` applies).
     chunk_cat: bool
+    # This rank's unpadded chunk of each, as ``local_views`` cuts a row: with
+    # ``dim0``, each chunk's numel then its padding's (one split for them all).
+    local_split: tuple[int, ...]
+    local_shapes: tuple[torch.Size, ...]
 
     @staticmethod
     def of(layouts: Sequence[ShardLayout]) -> FlatLayout:
@@ -136,6 +140,15 @@ class FlatLayout(NamedTuple):
             acc += layout.padded_numel
         offsets.append(acc)
         dim0 = all(layout.dim == 0 for layout in layouts)
+        local_shapes = []
+        for layout in layouts:
+            dims = list(layout.padded_shape)
+            dims[layout.dim] = layout.local_rows
+            local_shapes.append(torch.Size(dims))
+        split: list[int] = []
+        if dim0:
+            for layout, local in zip(layouts, local_shapes):
+                split += [local.numel(), layout.padded_numel - local.numel()]
         return FlatLayout(
             tuple(layouts),
             tuple(offsets),
@@ -143,7 +156,22 @@ class FlatLayout(NamedTuple):
             layouts[0].num_shards if layouts else 1,
             dim0,
             dim0 and all(layout.chunk > 0 for layout in layouts),
+            tuple(split),
+            tuple(local_shapes),
         )
+
+    def local_views(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's unpadded chunk of each tensor, as views of ``row``
+        (its padded shards back to back, e.g. a reduce-scatter's output).
+        On dim 0 a chunk is the start of its padded shard: one split cuts
+        them all, and each is viewed in its shape."""
+        if self.dim0:
+            pieces = torch.split_with_sizes(row, self.local_split)
+            return [piece.view(shape) for piece, shape in zip(pieces[::2], self.local_shapes)]
+        return [
+            row[a:b].view(layout.padded_shape).narrow(layout.dim, 0, layout.local_rows)
+            for layout, a, b in zip(self.layouts, self.offsets, self.offsets[1:])
+        ]
 
     @property
     def total(self) -> int:

@@ -353,3 +353,31 @@ def test_shard_layout_other_dim():
     out = torch.empty_like(full)
     layouts[0].gather_into(out, buf)
     assert torch.equal(out, full)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_flat_layout_local_views_are_each_ranks_chunk(dim):
+    """A reduce-scatter's output (each tensor's padded shard back to back) cut
+    into this rank's unpadded chunks: torch.chunk's pieces, as views of the
+    row, for even, uneven, empty and missing chunks."""
+    from shardwise.layout import FlatLayout, ShardLayout
+
+    fulls = [torch.randn(5, 3), torch.randn(8, 2), torch.randn(1, 4), torch.randn(0, 3), torch.randn(6, 7, 2)]
+    for ws in (1, 2, 3, 4, 7):
+        for rank in range(ws):
+            layouts = [ShardLayout.make(f.shape, dim, ws, rank) for f in fulls]
+            flat = FlatLayout.of(layouts)
+            assert flat.dim0 == (dim == 0)
+            row = torch.full((flat.total,), float("nan"))
+            for f, layout, a, b in zip(fulls, layouts, flat.offsets, flat.offsets[1:]):
+                padded = torch.full((ws, *layout.padded_shape), float("nan"))
+                layout.scatter_from(f, padded)
+                row[a:b] = padded[rank].reshape(-1)
+            views = flat.local_views(row)
+            assert len(views) == len(fulls)
+            for f, view in zip(fulls, views):
+                pieces = torch.chunk(f, ws, dim=dim) if f.shape[dim] else ()
+                expected = pieces[rank] if rank < len(pieces) else f.narrow(dim, 0, 0)
+                assert view.shape == expected.shape and torch.equal(view, expected), (ws, rank, dim)
+                if view.numel():
+                    assert view.untyped_storage().data_ptr() == row.untyped_storage().data_ptr()

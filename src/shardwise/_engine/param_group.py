@@ -800,9 +800,7 @@ class ParamGroup:
         host = self._offload_copy(out, pr.params, grad_dtype)
         if host is not None:
             out, alias = host, True
-        offs = pr.result.flat.offsets
-        for p, a, b in zip(pr.params, offs, offs[1:]):
-            shard = out[a:b].view(p.layout.padded_shape).narrow(p.shard_dim, 0, p.layout.local_rows)
+        for p, shard in zip(pr.params, pr.result.flat.local_views(out)):
             if host is not None and (p.sharded_param.grad is not None or p.has_post_accumulate_grad_hooks):
                 self.wait_for_offloaded_grads()  # accumulating or a hook reads the host copy now
             p.shard_grad(shard if alias else shard.clone(), dtype=grad_dtype)

@@ -514,13 +514,13 @@ class ShardedParam:
             local = existing._local_tensor if isinstance(existing, DTensor) else existing
             local.add_(grad_shard)
         else:
-            with torch.no_grad():
-                grad = self._as_dtensor(grad_shard)
-                if grad.dtype == self.sharded_param.dtype:
-                    self.sharded_param.grad = grad
-                else:
-                    # `.grad =` refuses another dtype; `.grad.data =` allows it
-                    # (what FSDP1's keep_low_precision_grads does too).
+            grad = self._as_dtensor(grad_shard)
+            if grad.dtype == self.sharded_param.dtype:
+                self.sharded_param.grad = grad
+            else:
+                # `.grad =` refuses another dtype; `.grad.data =` allows it
+                # (what FSDP1's keep_low_precision_grads does too).
+                with torch.no_grad():
                     self.sharded_param.grad = torch.zeros_like(self.sharded_param)
                     self.sharded_param.grad.data = grad
         self.run_post_accumulate_grad_hooks()
