@@ -90,7 +90,8 @@ def all_gather_tensor(
     if input_tensor.dtype.is_floating_point and input_tensor.dtype.itemsize == 1:
         output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
     all_gather = getattr(dist, _AG_NAME)
-    if all_gather is _ORIGINAL_AG and _in_place_gloo(group, output_tensor, input_tensor, _IN_PLACE_MIN_BYTES):
+    min_bytes = 0 if group is not None and group.size() == 2 else _IN_PLACE_MIN_BYTES
+    if all_gather is _ORIGINAL_AG and _in_place_gloo(group, output_tensor, input_tensor, min_bytes):
         return _finish(gloo_all_gather(output_tensor, input_tensor, group), async_op)
     return cast("WorkHandle | None", all_gather(output_tensor, input_tensor, group=group, async_op=async_op))
 
@@ -119,32 +120,33 @@ def reduce_scatter_tensor(
 # wire). On CPU those copies and bytes are CPU time taken from compute. Over a
 # gloo group, shardwise's own collectives therefore use gloo collectives that
 # read and write the tensors in place, still run by gloo's own threads:
-# - all-gather: this rank's input is copied into its row of the output, then
+# - over two ranks, each collective is one exchange: an all-to-all that sends
+#   the other rank only its part and sends nothing to this rank (split sizes
+#   [0, n] / [n, 0]), at every size. The all-gather copies this rank's input
+#   into its row of the output and receives the other row in place; the
+#   reduce-scatter sends the other rank its row and adds what arrived to its
+#   own: the same two numbers gloo adds (a sum of two is the same whichever
+#   comes first), so results are gloo's bit for bit;
+# - over more ranks, the all-gather copies this rank's input into its row and
 #   one broadcast per rank fills that rank's row everywhere (the same bytes
-#   as a ring; no flat buffer, no copy back);
-# - reduce-scatter over two ranks: one all-to-all sends the other rank its
-#   row, and this rank's sum is row 0 + row 1 of what arrived: the same two
-#   numbers added as gloo adds them, so results are gloo's bit for bit. Over
-#   more ranks the order of a sum decides its last bits, and gloo's ring
-#   orders each element's sum by where it falls in the buffer; any other
-#   order would move results off gloo's (and off DDP's) by rounding, which
-#   AdamW magnifies on near-zero gradients, so there gloo's reduce-scatter runs.
+#   as a ring; no flat buffer, no copy back), from 1 MiB per rank: below, the
+#   copies saved are small next to the extra collectives. The reduce-scatter
+#   stays gloo's: the order of a sum of more than two decides its last bits,
+#   and gloo's ring orders each element's sum by where it falls in the
+#   buffer; any other order would move results off gloo's (and off DDP's) by
+#   rounding, which AdamW magnifies on near-zero gradients.
+# Timed alone over two ranks on this project's 2-core machine (200 calls,
+# 132-264 KiB per rank): the exchange 0.45-0.80 ms a call; gloo's all-gather
+# 0.9-1.6 ms, two broadcasts 0.9-1.5 ms, gloo's reduce-scatter 2.7-3.1 ms.
 # (Point-to-point send / recv from the training thread was tried first: on a
 # loaded CPU, posting a receive waits on the transport's lock while gloo's
 # loop thread moves other data, 3 ms per call on the 24-block benchmark.)
-# Small all-gathers (under 1 MiB per rank) stay gloo's: there the copies saved
-# are small next to the extra collective per rank. The two-rank reduce-scatter
-# takes the all-to-all at every size: it is one collective either way, and
-# gloo's all-reduce underneath its reduce-scatter makes two exchanges of it
-# (1.0 vs 2.7-3.1 ms a call for 132-264 KiB inputs, 0.8-1.0 vs 1.9-2.0 ms for
-# 4 KiB, on this project's 2-core machine).
 # Under a Python dispatch mode (``CommDebugMode``, shardwise's memory tracker,
 # fake tensors) the collectives stay gloo's, so whoever counts them sees what
 # PyTorch's FSDP issues, and a plan matches its measurement.
 
-# Below this many bytes sent per rank, gloo's own all-gather: the copies saved
-# are small next to the extra collective per rank (on the 24-block benchmark,
-# 132 KiB shards, no gain could be told from the noise).
+# Over more than two ranks, below this many bytes sent per rank, gloo's own
+# all-gather: the copies saved are small next to the extra collectives.
 _IN_PLACE_MIN_BYTES = 1 << 20
 _gloo: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
 
@@ -200,9 +202,20 @@ def _finish(works: _Works, async_op: bool) -> WorkHandle | None:
     return None
 
 
+def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) -> Any:
+    """Over two ranks: ``send`` to the other rank, and the other rank's into
+    ``recv``, as one all-to-all that sends nothing to this rank."""
+    to_other = [0, send.numel()] if group.rank() == 0 else [send.numel(), 0]
+    from_other = [0, recv.numel()] if group.rank() == 0 else [recv.numel(), 0]
+    return dist.all_to_all_single(
+        recv, send, output_split_sizes=from_other, input_split_sizes=to_other, group=group, async_op=True
+    )
+
+
 def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Works:
-    """All-gather by one broadcast per rank into its row of ``output``
-    (rank-major); see [Note: gloo without its copies]."""
+    """All-gather into ``output`` (rank-major): this rank's input copied into
+    its row, the others received in place (one exchange over two ranks, else
+    one broadcast per rank); see [Note: gloo without its copies]."""
     size, me = group.size(), group.rank()
     rows = output.view(size, -1)
     if rows.shape[1] != input.numel():
@@ -210,12 +223,15 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     rows[me].copy_(input.view(-1))
     if not input.numel():
         return _Works([])
+    if size == 2:
+        return _Works([_exchange(input.view(-1), rows[1 - me], group)])
     return _Works([dist.broadcast(rows[r], group=group, group_src=r, async_op=True) for r in range(size)])
 
 
 def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Works:
-    """Reduce-scatter (SUM) over two ranks: one all-to-all, then row 0 + row 1
-    of what arrived into ``output``; see [Note: gloo without its copies]."""
+    """Reduce-scatter (SUM) over two ranks: one exchange sends the other rank
+    its row, and this rank's row plus what arrived goes into ``output``; see
+    [Note: gloo without its copies]."""
     if group.size() != 2:
         raise ValueError(f"gloo_reduce_scatter is for two ranks, not {group.size()}")
     out = output.view(-1)
@@ -223,10 +239,10 @@ def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
         raise ValueError(f"reduce-scatter output of {out.numel()} elements for 2 ranks of {input.numel()}")
     if not out.numel():
         return _Works([])
-    arrived = torch.empty_like(input)
-    work = dist.all_to_all_single(arrived, input, group=group, async_op=True)
-    rows = arrived.view(2, -1)
-    return _Works([work], lambda: torch.add(rows[0], rows[1], out=out))
+    rows, me = input.view(2, -1), group.rank()
+    arrived = torch.empty_like(out)
+    work = _exchange(rows[1 - me], arrived, group)
+    return _Works([work], lambda: torch.add(rows[me], arrived, out=out))
 
 
 class FreshBuffers(Comm):
