@@ -136,8 +136,8 @@ def reduce_scatter_tensor(
 #   buffer; any other order would move results off gloo's (and off DDP's) by
 #   rounding, which AdamW magnifies on near-zero gradients.
 # Timed alone over two ranks on this project's 2-core machine (200 calls,
-# 132-264 KiB per rank): the exchange 0.45-0.80 ms a call; gloo's all-gather
-# 0.9-1.6 ms, two broadcasts 0.9-1.5 ms, gloo's reduce-scatter 2.7-3.1 ms.
+# 132-264 KiB per rank): the exchange 0.45-0.76 ms a call; gloo's all-gather
+# 0.9-1.6 ms, two broadcasts 0.9-1.5 ms, gloo's reduce-scatter 2.7-3.2 ms.
 # (Point-to-point send / recv from the training thread was tried first: on a
 # loaded CPU, posting a receive waits on the transport's lock while gloo's
 # loop thread moves other data, 3 ms per call on the 24-block benchmark.)
