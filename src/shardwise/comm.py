@@ -203,13 +203,12 @@ def _finish(works: _Works, async_op: bool) -> WorkHandle | None:
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) -> Any:
-    """Over two ranks: ``send`` to the other rank, and the other rank's into
-    ``recv``, as one all-to-all that sends nothing to this rank."""
-    to_other = [0, send.numel()] if group.rank() == 0 else [send.numel(), 0]
-    from_other = [0, recv.numel()] if group.rank() == 0 else [recv.numel(), 0]
-    return dist.all_to_all_single(
-        recv, send, output_split_sizes=from_other, input_split_sizes=to_other, group=group, async_op=True
-    )
+    """Over two ranks: ``send`` to the other rank, and the other rank's (of the
+    same size) into ``recv``, as one all-to-all that sends nothing to this rank."""
+    n = send.numel()
+    other = [0, n] if group.rank() == 0 else [n, 0]
+    return dist.all_to_all_single(recv, send, output_split_sizes=other, input_split_sizes=other, group=group,
+                                  async_op=True)
 
 
 def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Works:
