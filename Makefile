@@ -4,6 +4,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 NPROC ?= 2
+# pytest processes for `make test` (pytest-xdist): the suite's ranks wait on
+# each other, torchrun and watchdog timeouts, so two keep two cores busy.
+TEST_WORKERS ?= 2
 
 .PHONY: venv train test bench test-system bench-gpu gpu-check clean
 
@@ -21,7 +24,7 @@ train: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/shardwise train --nproc $(NPROC)
 
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 bench: venv
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_step.py
