@@ -82,8 +82,33 @@ def state_of(module: nn.Module) -> ModuleState | None:
 
 class _PostBackward(torch.autograd.Function):
     """Identity on the module's inputs whose backward triggers post-backward.
-    (Forward and ``setup_context`` apart, so that functorch transforms such as
-    ``torch.func.jvp`` accept it.)"""
+
+    ``forward`` takes ``ctx`` (as PyTorch's FSDP does): with a separate
+    ``setup_context``, every ``apply`` binds its arguments to ``forward``'s
+    signature through ``inspect`` (a tenth of a millisecond a group per
+    step here). functorch transforms accept only that form, so under one
+    :class:`_PostBackwardTransformable` is applied instead."""
+
+    @staticmethod
+    def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Forward-mode AD (dual tensors): the identity (views, since forward
+        returns its inputs as they are)."""
+        return tuple(t.view_as(t) for t in tangents)
+
+
+class _PostBackwardTransformable(torch.autograd.Function):
+    """:class:`_PostBackward` in the form functorch transforms
+    (``torch.func.jvp``, ``vmap``) accept: forward and ``setup_context`` apart."""
 
     generate_vmap_rule = True
 
@@ -95,16 +120,8 @@ class _PostBackward(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.state = inputs[0]
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
-        return (None, *grads)
-
-    @staticmethod
-    def jvp(ctx: Any, _state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Forward-mode AD (``torch.func.jvp``, dual tensors): the identity
-        (views, since forward returns its inputs as they are)."""
-        return tuple(t.view_as(t) for t in tangents)
+    backward = _PostBackward.backward
+    jvp = _PostBackward.jvp
 
 
 def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
@@ -378,7 +395,8 @@ class ModuleState:
         inputs = _tensors_requiring_grad((args, kwargs))
         if not inputs:
             return args, kwargs
-        outs = iter(_PostBackward.apply(self, *inputs))  # type: ignore[no-untyped-call]
+        fn = _PostBackwardTransformable if torch._C._are_functorch_transforms_active() else _PostBackward
+        outs = iter(fn.apply(self, *inputs))  # type: ignore[no-untyped-call]
         new_args, new_kwargs = map_tensors(lambda t: next(outs) if t.requires_grad else t, (args, kwargs))
         return new_args, new_kwargs
 
