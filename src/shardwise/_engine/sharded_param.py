@@ -297,12 +297,18 @@ class ShardedParam:
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's (unpadded) chunk as a DTensor of the global shape
-        (its spec built once per dtype)."""
+        (its spec built once per dtype). Outside a compiled region only
+        ``DTensor.__new__`` runs: ``DTensor.__init__`` does nothing but carry
+        dynamo's and export's decorators, whose wrappers cost more than the
+        construction itself (3.5 against 1.2 us a call timed alone; 17 against
+        6 us in the backward, line-profiled), once per gradient per step."""
         spec = self._grad_specs.get(local.dtype)
         if spec is None:
             spec = make_dtensor(local, self.spmd_mesh, self.spmd_placements, self.global_shape)._spec
             self._grad_specs[local.dtype] = spec
-        return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        if torch.compiler.is_compiling():
+            return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
     def local_is_adopted(self) -> bool:
         """Whether the registered DTensor still views ``sharded_data`` (false after
