@@ -85,9 +85,10 @@ class _PostBackward(torch.autograd.Function):
 
     ``forward`` takes ``ctx`` (as PyTorch's FSDP does): with a separate
     ``setup_context``, every ``apply`` binds its arguments to ``forward``'s
-    signature through ``inspect`` (a tenth of a millisecond a group per
-    step here). functorch transforms accept only that form, so under one
-    :class:`_PostBackwardTransformable` is applied instead."""
+    signature through ``inspect`` (0.1 ms of a 0.24 ms call under cProfile,
+    once per group per forward). functorch transforms accept only that
+    form, so while one is active :class:`_PostBackwardTransformable` is
+    applied instead."""
 
     @staticmethod
     def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
