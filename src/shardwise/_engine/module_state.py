@@ -121,8 +121,8 @@ class _PostBackwardTransformable(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.state = inputs[0]
 
-    backward = _PostBackward.backward
-    jvp = _PostBackward.jvp
+    backward = staticmethod(_PostBackward.backward)
+    jvp = staticmethod(_PostBackward.jvp)
 
 
 def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
