@@ -312,9 +312,15 @@ def start_reduce_scatter(
     if flat.chunk_cat:
         # [Note: fused copies]: one op pads every gradient's rows to a multiple
         # of num_shards and lays the chunks out rank-major (torch.chunk's cut,
-        # the padding zeroed), as PyTorch's FSDP does; gradients in another
-        # dtype are cast first, as there.
-        torch._chunk_cat([g if g.dtype == dtype else g.to(dtype) for g in grads], 0, num_shards, out=rows)
+        # the padding zeroed), as PyTorch's FSDP does. Gradients of one dtype
+        # other than the reduce dtype (bf16 compute, fp32 reduce) are cast by
+        # that same op as it writes (one pass, no fp32 copy of each gradient:
+        # PyTorch's FSDP casts each first); gradients of several dtypes, which
+        # the op refuses, and traced code are cast first.
+        if len({g.dtype for g in grads}) == 1 and not torch.compiler.is_compiling():
+            torch._chunk_cat(list(grads), 0, num_shards, out=rows)
+        else:
+            torch._chunk_cat([g if g.dtype == dtype else g.to(dtype) for g in grads], 0, num_shards, out=rows)
     else:
         for grad, start, end, layout in zip(grads, offs, offs[1:], layouts):
             layout.scatter_from(grad, rows[:, start:end].view(num_shards, *layout.padded_shape))
