@@ -81,6 +81,19 @@ class ReduceScatter(Comm):
         """Issue the reduce-scatter; return a work handle when ``async_op``."""
 
 
+def accepts_as(comm: object, kind: type[AllGather] | type[ReduceScatter]) -> bool:
+    """Whether ``comm`` can be installed as a ``kind``: one of ours, or one
+    written against PyTorch's FSDP interfaces of the same names (any object
+    with ``allocate`` that is callable), unless its classes declare it the
+    other kind (a reduce-scatter passed as an all-gather, or the reverse)."""
+    if isinstance(comm, kind):
+        return True
+    other = ReduceScatter if kind is AllGather else AllGather
+    if isinstance(comm, other) or other.__name__ in {c.__name__ for c in type(comm).__mro__}:
+        return False
+    return callable(comm) and callable(getattr(comm, "allocate", None))
+
+
 def all_gather_tensor(
     output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
 ) -> WorkHandle | None:

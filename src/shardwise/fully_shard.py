@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 from shardwise._engine.module_state import ModuleState, state_of, states_under
 from shardwise._engine.param_group import ParamGroup, TrainingState
 from shardwise._engine.setup import shard_modules
-from shardwise.comm import AllGather, ReduceScatter
+from shardwise.comm import AllGather, ReduceScatter, accepts_as
 from shardwise.errors import AlreadyShardedError, ConfigError, ConfigTypeError
 from shardwise.mesh import default_mesh
 from shardwise.policies import MixedPrecisionPolicy, OffloadPolicy, as_policy
@@ -294,18 +294,22 @@ class FSDPModule:
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Take over how this module's all-gathers allocate and communicate."""
-        if not isinstance(comm, AllGather):
+        if not accepts_as(comm, AllGather):
             raise ConfigTypeError(
-                f"set_custom_all_gather expects a shardwise.AllGather, got {type(comm).__name__}."
+                f"set_custom_all_gather expects an AllGather (a shardwise.AllGather, or any object with "
+                f"allocate(size, *, dtype, device) and __call__(output_tensor, input_tensor, group, "
+                f"async_op=False)), got {type(comm).__name__}."
             )
         for group in self._groups(recurse=False):
             group.settings.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Take over how this module's reduce-scatters allocate and communicate."""
-        if not isinstance(comm, ReduceScatter):
+        if not accepts_as(comm, ReduceScatter):
             raise ConfigTypeError(
-                f"set_custom_reduce_scatter expects a shardwise.ReduceScatter, got {type(comm).__name__}."
+                f"set_custom_reduce_scatter expects a ReduceScatter (a shardwise.ReduceScatter, or any object "
+                f"with allocate(size, *, dtype, device) and __call__(output_tensor, input_tensor, group, op, "
+                f"async_op=False)), got {type(comm).__name__}."
             )
         for group in self._groups(recurse=False):
             group.settings.reduce_scatter_comm = comm
@@ -528,3 +532,13 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
                 "apply it to the modules inside, or pass them as a list: fully_shard(list(container))."
             )
     return modules
+
+
+def _fully_shard_state(module: nn.Module) -> ModuleState | None:
+    """``fully_shard.state(module)``, as PyTorch's (set by its ``contract``):
+    the state shared by the modules of one ``fully_shard`` call, or ``None``
+    for a module that was not passed to ``fully_shard``."""
+    return state_of(module)
+
+
+setattr(fully_shard, "state", _fully_shard_state)  # noqa: B010 (an attribute of a function, as PyTorch's)

@@ -1100,3 +1100,91 @@ def test_view_output_warns_like_torch():
         got[name] = runs
     assert got["sw"] == got["pt"]
     assert len(got["sw"][0]) == 1 and got["sw"][1:] == [[], []]
+
+
+# ---------------------------------------------------------------------------
+# Custom collectives written against PyTorch's own interfaces (its AllGather /
+# ReduceScatter base classes): both libraries install them, allocate through
+# them alike (an all-gather's output only, gathered in place; a
+# reduce-scatter's input and output), and train to the same values.
+def _torch_written_comms(log):
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class LoggedAllGather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            log.append(("ag.allocate", tuple(size), dtype))
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            row = output_tensor.numel() // group.size()
+            in_place = input_tensor.data_ptr() == output_tensor.data_ptr() + group.rank() * row * output_tensor.element_size()
+            log.append(("ag", in_place))
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    class LoggedReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            log.append(("rs.allocate", tuple(size), dtype))
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            log.append(("rs",))
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    return LoggedAllGather(), LoggedReduceScatter()
+
+
+@multi_rank(world_sizes=(2,))
+def test_custom_comms_written_for_torch_install_and_allocate_like_torch():
+    from shardwise import FSDPModule
+
+    a, b = _both()
+    logs = {"sw": [], "pt": []}
+    for lib, model in (("sw", a), ("pt", b)):
+        for m in model.modules():
+            if isinstance(m, (FSDPModule, torch.distributed.fsdp.FSDPModule)):
+                ag, rs = _torch_written_comms(logs[lib])
+                m.set_custom_all_gather(ag)
+                m.set_custom_reduce_scatter(rs)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    _steps_match(a, b, 2, opts=opts)
+    _assert_params_equal(a, b)
+
+    def summary(log):  # what was allocated and called, in which order (sizes aside: layouts may pad apart)
+        return [e[0] if e[0] in ("rs",) else e[:1] + e[2:] for e in log]
+
+    assert summary(logs["sw"]) == summary(logs["pt"]), (logs["sw"], logs["pt"])
+    assert ("ag", True) in logs["sw"] and ("ag", False) not in logs["sw"]
+    # the same sizes wherever nothing is padded (every shard here divides evenly)
+    assert logs["sw"] == logs["pt"]
+
+
+@multi_rank(world_sizes=(2,))
+def test_fully_shard_state_like_torch():
+    a, b = _both()
+    for fs, model in ((_sw(), a), (_pt(), b)):
+        assert fs.state(model) is model._get_fsdp_state()
+        assert fs.state(model.blocks[0]) is model.blocks[0]._get_fsdp_state()
+        assert fs.state(model.blocks[0].lin1) is None  # under a sharded module, not passed to fully_shard
+    torch.manual_seed(0)
+    for fs in (_sw(), _pt()):
+        m = Net()
+        fs([m.blocks[0], m.blocks[1]])  # one call for both: one shared state
+        assert fs.state(m.blocks[0]) is fs.state(m.blocks[1]) is not None
+        assert fs.state(m) is None
+
+
+@multi_rank(world_sizes=(2,))
+def test_custom_comm_of_the_wrong_kind_is_refused():
+    from shardwise import fully_shard
+    from shardwise.errors import ConfigTypeError
+
+    torch.manual_seed(0)
+    model = fully_shard(Net())
+    ag, rs = _torch_written_comms([])
+    for setter, wrong in ((model.set_custom_all_gather, rs), (model.set_custom_reduce_scatter, ag),
+                          (model.set_custom_all_gather, lambda *a, **k: None)):
+        with pytest.raises(TypeError, match="allocate") as info:
+            setter(wrong)
+        assert isinstance(info.value, ConfigTypeError)
+    model.set_custom_all_gather(ag)  # the right kinds are taken
+    model.set_custom_reduce_scatter(rs)

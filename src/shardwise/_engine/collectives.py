@@ -178,18 +178,30 @@ def start_packed_all_gather(
         size = t.numel() * t.element_size() if packed else t.numel()
         acc += -(-size // _ALIGN) * _ALIGN if packed else size
     total = acc
-    inp = allocate(comm, total, buf_dtype, device, where, "AllGather")
+    out, inp = _gather_buffers(comm, group, num_shards, total, buf_dtype, device, where)
     for t, a, n in zip(inputs, offs, numels):
         src = t.reshape(-1)
         if packed:
             src = src.contiguous().view(torch.uint8)
         inp[a : a + src.numel()].copy_(src, non_blocking=True)
     if communicates(comm, group):
-        out = allocate(comm, num_shards * total, buf_dtype, device, where, "AllGather")
         work = _guard(where, "AllGather", lambda: comm(out, inp, group, True))
     else:
-        out, work = inp, None
+        work = None
     return PackedGatherResult(out.view(num_shards, total), work, inp, offs, numels, dtypes)
+
+
+def _gather_buffers(
+    comm: AllGather, group: dist.ProcessGroup, num_shards: int, total: int, dtype: torch.dtype,
+    device: torch.device, where: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An all-gather's output from ``comm.allocate`` (one call) and its input:
+    this rank's row of the output, gathered in place, as PyTorch's FSDP does
+    (a custom comm sees the same one allocation per all-gather there)."""
+    out = allocate(comm, num_shards * total, dtype, device, where, "AllGather")
+    if not communicates(comm, group):
+        return out, out
+    return out, out.view(num_shards, total)[group.rank()]
 
 
 def finish_packed_all_gather(result: PackedGatherResult, where: str) -> list[torch.Tensor]:
@@ -231,19 +243,20 @@ def start_all_gather(
 ) -> AllGatherResult:
     """Issue one all-gather of ``flat_source``: every shard of a group, padded
     and back to back as ``flat`` lays them out. Ours sends it as is (no
-    copy-in) or cast into a pooled buffer in one op; a custom comm gets a
-    copy in a buffer of its own allocation.
+    copy-in) or cast into a pooled buffer in one op; a custom comm allocates
+    the output and gets a copy in this rank's row of it.
     """
     total = flat.total
-    pooled: tuple[torch.Tensor, ...] = ()
-    if is_default(comm):
-        inp = flat_source
-        if inp.device != device or inp.dtype != dtype:
-            inp, pooled = _buffer(comm, pool, total, dtype, device, where, "AllGather")
-            inp.copy_(flat_source, non_blocking=True)
-    else:
-        inp = allocate(comm, total, dtype, device, where, "AllGather")
+    if not is_default(comm):
+        out, inp = _gather_buffers(comm, group, flat.num_shards, total, dtype, device, where)
         inp.copy_(flat_source)
+        work = _guard(where, "AllGather", lambda: comm(out, inp, group, True))
+        return AllGatherResult(out, work, inp, post_forward, flat, ())
+    inp = flat_source
+    pooled: tuple[torch.Tensor, ...] = ()
+    if inp.device != device or inp.dtype != dtype:
+        inp, pooled = _buffer(comm, pool, total, dtype, device, where, "AllGather")
+        inp.copy_(flat_source, non_blocking=True)
     if communicates(comm, group):
         out, more = _buffer(comm, pool, flat.num_shards * total, dtype, device, where, "AllGather")
         pooled += more
