@@ -423,6 +423,38 @@ def test_mixed_precision_no_sync_accumulation_matches_torch():
     _assert_grads_equal(a, b)
 
 
+# fp16 compute with a gradient scaler, as PyTorch's FSDP users write it: its
+# ShardedGradScaler (or torch.amp's) over the DTensor gradients. A step whose
+# gradients overflow on one rank only is skipped on every rank (the inf
+# reaches both through the reduce-scatter) and the scale halves alike.
+@pytest.mark.parametrize("scaler", ["sharded", "amp"])
+@multi_rank(world_sizes=(2,))
+def test_fp16_with_a_gradient_scaler_matches_torch(scaler):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    kw = dict(param_dtype=torch.float16)
+    a, b = _both_mp(Net, kw, kw)
+    runs = {}
+    for name, m in (("sw", a), ("pt", b)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sc = ShardedGradScaler("cpu", init_scale=2.0**10) if scaler == "sharded" else torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        seen = []
+        for it in range(3):
+            x = _x(it)
+            if it == 1 and torch.distributed.get_rank() == 1:
+                x[0, 0] = float("inf")
+            loss = m(x).float().sum()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+            seen.append((loss.item(), sc.get_scale()))
+        runs[name] = seen
+    assert runs["sw"] == runs["pt"] or str(runs["sw"]) == str(runs["pt"]), runs  # (nan != nan)
+    assert [s for _, s in runs["sw"]] == [2.0**10, 2.0**9, 2.0**9]  # the overflowing step was skipped
+    _assert_params_equal(a, b)
+
+
 # Inputs inside a dataclass are cast by PyTorch (_apply_to_tensors handles
 # dataclasses); torch.utils._pytree does not look inside them.
 from dataclasses import dataclass  # noqa: E402
