@@ -29,6 +29,8 @@ LAYERS = {
     "shardwise.fully_shard": 3,
     "shardwise.wrap": 4,  # wrap policies + apply_policy, above fully_shard
     "shardwise.compat": 5,  # the wrapper API, above fully_shard and wrap
+    "shardwise.api": 5,  # torch.distributed.fsdp.api's names, from compat
+    "shardwise.fully_sharded_data_parallel": 5,  # and that module's
     "shardwise.models": 0,
     "shardwise.layout": 0,  # chunk arithmetic, used by every layer
     "shardwise._lazy": 0,  # the packages' names loaded on first use
@@ -242,7 +244,8 @@ def test_no_import_cycles():
 def test_engine_never_imports_the_fronts():
     """The wrapper API sits on the engine; the engine knows nothing of it."""
     for name, path in _modules():
-        if not name.startswith(("shardwise._engine", "shardwise.fully_shard", "shardwise.mesh")):
+        if not any(name == m or name.startswith(m + ".") for m in ("shardwise._engine", "shardwise.fully_shard",
+                                                                   "shardwise.mesh")):
             continue
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         for imported in _imports(path, package):
@@ -381,3 +384,28 @@ def test_flat_layout_local_views_are_each_ranks_chunk(dim):
                 assert view.shape == expected.shape and torch.equal(view, expected), (ws, rank, dim)
                 if view.numel():
                     assert view.untyped_storage().data_ptr() == row.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("sub", ["api", "fully_sharded_data_parallel", "wrap"])
+def test_torch_fsdp_submodules_have_a_shardwise_twin(sub):
+    """Code importing from ``torch.distributed.fsdp.<sub>`` finds the same names
+    (and the same ``__all__``) in ``shardwise.<sub>``; the classes are
+    shardwise's own (ours for the wrapper and its configuration)."""
+    import importlib
+
+    theirs = importlib.import_module(f"torch.distributed.fsdp.{sub}")
+    ours = importlib.import_module(f"shardwise.{sub}")
+    names = getattr(theirs, "__all__", None)
+    if sub == "wrap":  # shardwise.wrap's own __all__ adds apply_policy; PyTorch's public policies must be there
+        names = [n for n in dir(theirs) if not n.startswith("_") and (n.endswith("Policy") or n.endswith("_policy"))]
+        assert names
+    else:
+        assert ours.__all__ == theirs.__all__
+    for name in names:
+        assert hasattr(ours, name), f"shardwise.{sub} lacks {name}"
+        assert getattr(ours, name).__module__.startswith("shardwise"), name
+    if sub != "wrap":
+        import shardwise
+
+        for name in names:
+            assert getattr(ours, name) is getattr(shardwise, name), name
