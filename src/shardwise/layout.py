@@ -127,6 +127,9 @@ class FlatLayout(NamedTuple):
     dim0: bool
     # ... and each holds at least one row per rank (``torch._chunk_cat`` applies).
     chunk_cat: bool
+    # ... and each splits into equal chunks, with no padding: a tensor's part
+    # of every rank's row is its [num_shards, numel / num_shards] view.
+    even: bool
     # This rank's unpadded chunk of each, as ``local_views`` cuts a row: with
     # ``dim0``, each chunk's numel then its padding's (one split for them all).
     local_split: tuple[int, ...]
@@ -156,6 +159,8 @@ class FlatLayout(NamedTuple):
             layouts[0].num_shards if layouts else 1,
             dim0,
             dim0 and all(layout.chunk > 0 for layout in layouts),
+            dim0 and all(layout.chunk > 0 and layout.chunk * layout.num_shards == layout.dim_size
+                         for layout in layouts),
             tuple(split),
             tuple(local_shapes),
         )

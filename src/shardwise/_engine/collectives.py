@@ -178,7 +178,14 @@ def start_packed_all_gather(
         size = t.numel() * t.element_size() if packed else t.numel()
         acc += -(-size // _ALIGN) * _ALIGN if packed else size
     total = acc
-    out, inp = _gather_buffers(comm, group, num_shards, total, buf_dtype, device, where)
+    if is_default(comm):
+        # Ours: input and output apart (gloo gathers an input inside its
+        # output through copies of its own, which a plan would not see).
+        inp = out = allocate(comm, total, buf_dtype, device, where, "AllGather")
+        if communicates(comm, group):
+            out = allocate(comm, num_shards * total, buf_dtype, device, where, "AllGather")
+    else:
+        out, inp = _gather_buffers(comm, group, num_shards, total, buf_dtype, device, where)
     for t, a, n in zip(inputs, offs, numels):
         src = t.reshape(-1)
         if packed:
@@ -325,13 +332,17 @@ def start_reduce_scatter(
     if flat.chunk_cat:
         # [Note: fused copies]: one op pads every gradient's rows to a multiple
         # of num_shards and lays the chunks out rank-major (torch.chunk's cut,
-        # the padding zeroed), as PyTorch's FSDP does. Gradients of one dtype
-        # other than the reduce dtype (bf16 compute, fp32 reduce) are cast by
-        # that same op as it writes (one pass, no fp32 copy of each gradient:
-        # PyTorch's FSDP casts each first); gradients of several dtypes, which
-        # the op refuses, and traced code are cast first.
-        if len({g.dtype for g in grads}) == 1 and not torch.compiler.is_compiling():
-            torch._chunk_cat(list(grads), 0, num_shards, out=rows)
+        # the padding zeroed), as PyTorch's FSDP does; gradients in another
+        # dtype are cast first, as there, unless nothing is padded: then each
+        # gradient is cast as it is copied into its [num_shards, n] part of
+        # the rows (one pass, no copy of each gradient in the reduce dtype).
+        # Under a Python dispatch mode (the planner's fake execution, its
+        # memory tracker) the copy-in stays PyTorch's, so plan and measurement
+        # agree; the plan is then an upper bound by that one copy.
+        if (flat.even and torch._C._len_torch_dispatch_stack() == 0 and any(g.dtype != dtype for g in grads)
+                and all(g.is_contiguous() for g in grads)):
+            for piece, g in zip(torch.split_with_sizes(rows, flat.sizes, dim=1), grads):
+                piece.copy_(g.view(num_shards, -1))
         else:
             torch._chunk_cat([g if g.dtype == dtype else g.to(dtype) for g in grads], 0, num_shards, out=rows)
     else:
