@@ -1,36 +1,10 @@
-"""The names of ``torch.distributed.fsdp.api``, for code that imports the
-wrapper's configuration classes from there (``shardwise.api`` in its place)."""
+"""The names of PyTorch's FSDP ``api`` module (the wrapper's configuration
+classes), for code that imports them from there: ``shardwise.api`` in its
+place."""
 
-from shardwise.compat import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    LocalOptimStateDictConfig,
-    LocalStateDictConfig,
-    MixedPrecision,
-    OptimStateDictConfig,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-)
+from shardwise.compat import *  # noqa: F403
+from shardwise.compat import __all__ as _wrapper_names
 
-__all__ = [
-    "ShardingStrategy",
-    "BackwardPrefetch",
-    "MixedPrecision",
-    "CPUOffload",
-    "StateDictType",
-    "StateDictConfig",
-    "FullStateDictConfig",
-    "LocalStateDictConfig",
-    "ShardedStateDictConfig",
-    "OptimStateDictConfig",
-    "FullOptimStateDictConfig",
-    "LocalOptimStateDictConfig",
-    "ShardedOptimStateDictConfig",
-    "StateDictSettings",
-]
+# That module holds the wrapper's configuration; the wrapper itself and
+# OptimStateKeyType live in its neighbour (shardwise.fully_sharded_data_parallel).
+__all__ = [n for n in _wrapper_names if n not in ("FullyShardedDataParallel", "OptimStateKeyType")]

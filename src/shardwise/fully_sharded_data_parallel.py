@@ -1,6 +1,6 @@
-"""The names of ``torch.distributed.fsdp.fully_sharded_data_parallel``, for
-code that imports the wrapper from there (``shardwise.fully_sharded_data_parallel``
-in its place); the configuration classes it also holds come with it."""
+"""The names of PyTorch's FSDP ``fully_sharded_data_parallel`` module, for
+code that imports the wrapper from there: ``shardwise.fully_sharded_data_parallel``
+in its place. The configuration classes that module also holds come with it."""
 
 from shardwise.api import *  # noqa: F403 (PyTorch's module holds these too, outside its __all__)
 from shardwise.compat import FullyShardedDataParallel, OptimStateKeyType
