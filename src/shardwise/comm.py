@@ -89,7 +89,7 @@ def accepts_as(comm: object, kind: type[AllGather] | type[ReduceScatter]) -> boo
     if isinstance(comm, kind):
         return True
     other = ReduceScatter if kind is AllGather else AllGather
-    if isinstance(comm, other) or other.__name__ in {c.__name__ for c in type(comm).__mro__}:
+    if other.__name__ in {c.__name__ for c in type(comm).__mro__}:  # ours or PyTorch's other kind
         return False
     return callable(comm) and callable(getattr(comm, "allocate", None))
 

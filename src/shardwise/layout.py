@@ -64,6 +64,12 @@ class ShardLayout(NamedTuple):
         return chunk_span(self.dim_size, self.num_shards, rank)[1]
 
     @property
+    def even(self) -> bool:
+        """Every rank's chunk is whole (no padding): its part of each rank's
+        row of a flat buffer is the tensor's [num_shards, numel / num_shards] view."""
+        return self.chunk > 0 and self.chunk * self.num_shards == self.dim_size
+
+    @property
     def local_rows(self) -> int:
         return self.rows(self.rank)
 
@@ -127,8 +133,7 @@ class FlatLayout(NamedTuple):
     dim0: bool
     # ... and each holds at least one row per rank (``torch._chunk_cat`` applies).
     chunk_cat: bool
-    # ... and each splits into equal chunks, with no padding: a tensor's part
-    # of every rank's row is its [num_shards, numel / num_shards] view.
+    # ... and each is ``ShardLayout.even`` (nothing padded).
     even: bool
     # This rank's unpadded chunk of each, as ``local_views`` cuts a row: with
     # ``dim0``, each chunk's numel then its padding's (one split for them all).
@@ -159,8 +164,7 @@ class FlatLayout(NamedTuple):
             layouts[0].num_shards if layouts else 1,
             dim0,
             dim0 and all(layout.chunk > 0 for layout in layouts),
-            dim0 and all(layout.chunk > 0 and layout.chunk * layout.num_shards == layout.dim_size
-                         for layout in layouts),
+            dim0 and all(layout.even for layout in layouts),
             tuple(split),
             tuple(local_shapes),
         )

@@ -299,7 +299,7 @@ def _copy_out(result: AllGatherResult, fulls: Sequence[torch.Tensor]) -> None:
         for full, piece, layout in zip(fulls, pieces, layouts):
             if layout.chunk == 0:
                 continue
-            if layout.chunk * num_shards == layout.dim_size and full.is_contiguous():
+            if layout.even and full.is_contiguous():
                 dsts.append(full.view(num_shards, -1))
                 srcs.append(piece)
             else:
