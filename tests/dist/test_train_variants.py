@@ -50,7 +50,10 @@ def test_variant_matches_plain_run(tmp_path, variant):
     base = _BASE["base"]
     other = _losses(tmp_path, variant, **VARIANTS[variant])
     assert len(other) == len(base) == 4 and base[-1] < base[0]
-    tol = {"bf16": 2e-2, "grad_accum": 1e-5}.get(variant, 0.0)
+    # hybrid (shard_size=1): each rank clips by the norm of whole gradients,
+    # the plain run by the sum of two shards' partial norms; the sums' order
+    # differs, so the last bits may (seen on torch 2.11 on a 16-core host).
+    tol = {"bf16": 2e-2, "grad_accum": 1e-5, "hybrid": 1e-6}.get(variant, 0.0)
     for a, b in zip(base, other):
         assert math.isclose(a, b, rel_tol=tol, abs_tol=tol), (variant, base, other)
 
