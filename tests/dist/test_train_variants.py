@@ -13,7 +13,7 @@ import pytest
 from shardwise.testing import multi_rank
 
 BASE = dict(dim=32, n_layers=2, n_heads=2, seq_len=16, batch_size=4, steps=4, warmup_steps=2, lr=1e-2,
-            log_every=100, nproc=2)
+            log_every=100, nproc=2, device="cpu")
 VARIANTS = {
     "grad_accum": dict(grad_accum=2),
     "activation_checkpointing": dict(activation_checkpointing=True),
