@@ -58,7 +58,16 @@ def test_parameter_shared_by_two_groups():
     model = nn.Sequential(emb, head)
     fully_shard(emb)
     fully_shard(model)  # reported at the first forward, as PyTorch does
-    _raises(ValueError, r"is shared with a parameter already managed by another FSDP group .*fully_shard\(\[module_a, module_b\]\)", model, torch.tensor([[1, 2]]))
+    _raises(ValueError, r"Parameter '0.weight' is shared with a parameter already managed by another FSDP group\. "
+            r"For shared/tied parameters, use fully_shard\(\[module_a, module_b\]\).*Its other place: '1.weight'",
+            model, torch.tensor([[1, 2]]))
+    # the other group outside the root that runs forward (PyTorch would train two copies): refused, named
+    emb3, head3 = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    head3.weight = emb3.weight
+    fully_shard(emb3)
+    fully_shard(head3)
+    _raises(ValueError, r"Parameter 'weight' is also managed by the fully_shard of Embedding, outside this root",
+            head3, torch.ones(2, 4))
     # the documented fix works: both users of the weight in one group
     emb2, head2 = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
     head2.weight = emb2.weight

@@ -1184,3 +1184,50 @@ def test_custom_comm_of_the_wrong_kind_is_refused():
         assert isinstance(info.value, ConfigTypeError)
     model.set_custom_all_gather(ag)  # the right kinds are taken
     model.set_custom_reduce_scatter(rs)
+
+
+class _TiedStacks(nn.Module):
+    """An encoder and a decoder whose embeddings are one shared weight, held by
+    the root too (T5's layout), and a head tied to it (a causal LM's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(8, 4)
+        self.encoder = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+        self.decoder = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+        self.encoder[0].weight = self.decoder[0].weight = self.shared.weight
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x) + self.decoder(x) + self.shared(x))
+
+
+@multi_rank(world_sizes=(2,))
+def test_shared_parameter_error_names_what_pytorch_names():
+    """A weight in two groups: the error at the first forward names the
+    parameter PyTorch names (the later group's, in the root's module order),
+    in PyTorch's words; shardwise adds the other place."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardwise import fully_shard
+
+    layouts = {
+        "encoder, decoder, root": lambda m: [m.encoder, m.decoder, m],
+        "decoder, root": lambda m: [m.decoder, m],
+        "head, root": lambda m: [m.head, m],
+        "encoder's embedding, root": lambda m: [m.encoder[0], m],
+    }
+    for layout, modules in layouts.items():
+        messages = []
+        for shard in (torch_fully_shard, fully_shard):
+            torch.manual_seed(0)
+            model = _TiedStacks()
+            for m in modules(model):
+                shard(m)
+            with pytest.raises(ValueError) as info:
+                model(torch.tensor([[1, 2]]))
+            messages.append(str(info.value))
+        theirs, ours = messages
+        assert ours.startswith(theirs), (layout, theirs, ours)
+        assert "Its other place: '" in ours, ours

@@ -160,8 +160,10 @@ class ModuleState:
         # Warn, as PyTorch's fully_shard does, when an output needing gradients
         # is a view: an in-place op on it would drop the pre-backward hook.
         self.warn_view_outputs = False
-        # A misuse found by fully_shard that PyTorch reports at the first forward.
-        self.deferred_error: str | None = None
+        # A parameter another fully_shard already manages (found by fully_shard,
+        # reported at the first forward, as PyTorch does), and what names it.
+        self.conflict: str | None = None
+        self.shared_claims: list[tuple[object, nn.Module, str]] = []
         self.ctx: IterationContext[ModuleState] = groups[0].ctx if groups else IterationContext()
         for group in groups[1:]:
             group.ctx = self.ctx
@@ -250,10 +252,9 @@ class ModuleState:
                         )
                     state.is_root = False
                     state.name = name or state.name
-        for state in states:
-            if state.deferred_error is not None:
-                self.is_root = None
-                raise ValueError(state.deferred_error)
+        if any(state.conflict is not None for state in states):
+            self.is_root = None
+            raise ValueError(_shared_parameter_message(self.modules[0], states))
         ctx.states = states
         for state in states:
             state.ctx = ctx
@@ -483,4 +484,29 @@ def states_under(module: nn.Module) -> list[ModuleState]:
             out.append(state)
     return out
 
+
+def _shared_parameter_message(root: nn.Module, states: list[ModuleState]) -> str:
+    """PyTorch's error for a parameter in two groups, naming the one PyTorch
+    names: walking the states in the root's module order, each group's
+    parameters in order, the first met twice, by its first place under the
+    root among that group's modules (PyTorch registers a new parameter there)."""
+    paths = {id(m): f"{path}." if path else "" for path, m in root.named_modules()}
+    seen: dict[int, str] = {}
+    for state in states:
+        for managed_by, mod, attr in state.shared_claims:
+            fqn = paths.get(id(mod), "") + attr
+            if id(managed_by) in seen:
+                return (
+                    f"Parameter '{fqn}' is shared with a parameter already managed by another FSDP group. "
+                    "For shared/tied parameters, use fully_shard([module_a, module_b]) to place them in the "
+                    f"same FSDP group. (Its other place: '{seen[id(managed_by)]}'; sharding only their common "
+                    "parent works too.)"
+                )
+            seen[id(managed_by)] = fqn
+    # The other group is not under this root (PyTorch would not notice): name it.
+    conflict = next(state.conflict for state in states if state.conflict is not None)
+    return (
+        f"Parameter {conflict}, outside this root. For shared/tied parameters, use "
+        "fully_shard([module_a, module_b]) to place them in the same FSDP group, or shard only their common parent."
+    )
 

@@ -116,7 +116,7 @@ def shard_modules(
         )
     raf = resolve_reshard_after_forward(True if reshard_after_forward is None else reshard_after_forward, info)
     ignored = _check_ignored(ignored_params, modules)
-    conflicts: list[str] = []
+    conflicts: list[Conflict] = []
     collected = _collect_params(modules, ignored, conflicts, None if info.spmd_mesh is not None else info.mesh)
     # Trainable dtypes are checked at the first forward, as PyTorch does
     # (requires_grad may still change until then).
@@ -147,8 +147,16 @@ def shard_modules(
         managed._is_fsdp_managed_module = True  # type: ignore[assignment]
         managed._fsdp_use_orig_params = True  # type: ignore[assignment]
     state = ModuleState(modules, groups, mp_policy, auto, info.device)
+    # In this call's order, as PyTorch's group holds them: each parameter (by
+    # the engine's parameter that manages it, a conflict's by its owner's) and
+    # its first place; read only to report a conflict at the first forward.
+    claims: list[tuple[object, nn.Module, str]] = [(by_name[fqn], *places[0]) for _, places, fqn in collected]
+    for index, owner, mod, name, _, _ in reversed(conflicts):
+        claims.insert(index, (owner, mod, name))
+    state.shared_claims = claims
     if conflicts:
-        state.deferred_error = conflicts[0]
+        _, _, _, _, fqn, owner_name = conflicts[0]
+        state.conflict = f"{fqn!r} is also managed by the fully_shard of {owner_name}"
     return state
 
 
@@ -213,13 +221,20 @@ def _on_data_parallel_mesh(p: DTensor, dp_mesh: DeviceMesh | None) -> bool:
     return names is None or dp_names is None or bool(set(names) & set(dp_names))
 
 
+# A parameter another fully_shard already manages: how many of this call's
+# own parameters come before it, the owner's parameter, where it is registered
+# (module, attribute, name under this call's module) and the owner's name.
+Conflict = tuple[int, object, nn.Module, str, str, str]
+
+
 def _collect_params(
-    modules: tuple[nn.Module, ...], ignored: set[int], conflicts: list[str], dp_mesh: DeviceMesh | None = None
+    modules: tuple[nn.Module, ...], ignored: set[int], conflicts: list[Conflict], dp_mesh: DeviceMesh | None = None
 ) -> list[Collected]:
     """Parameters of ``modules`` not owned by a nested fully_shard, with every
     place each is registered; validated before anything is changed. Parameters
-    that another group already manages are described in ``conflicts``."""
+    that another group already manages go into ``conflicts``."""
     found: dict[int, Collected] = {}
+    conflicting: set[int] = set()
     seen_modules: set[int] = set()
 
     def visit(mod: nn.Module, prefix: str, top: bool) -> None:
@@ -247,12 +262,11 @@ def _collect_params(
                 )
             owner = _OWNED.get(p)  # type: ignore[no-untyped-call]
             if owner is not None:
-                # Left unmanaged here; reported at the first forward, as PyTorch does.
-                conflicts.append(
-                    f"Parameter {fqn!r} is shared with a parameter already managed by another FSDP "
-                    f"group ({owner[0]}). For shared/tied parameters, use fully_shard([module_a, module_b]) "
-                    "to place them in the same FSDP group, or shard only their common parent."
-                )
+                # Left unmanaged here; reported at the first forward, as PyTorch does
+                # (its first place among this call's parameters decides which name is reported).
+                if id(p) not in conflicting:
+                    conflicting.add(id(p))
+                    conflicts.append((len(found), owner[2]() or p, mod, name, fqn, owner[0]))
                 continue
             if p.ndim == 0:
                 raise ConfigError(
