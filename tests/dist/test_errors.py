@@ -75,6 +75,35 @@ def test_parameter_shared_by_two_groups():
     assert head2.weight is emb2.weight
 
 
+@multi_rank(world_sizes=(2,))
+def test_parametrization_registered_after_sharding_is_named():
+    """PyTorch fails at the first forward too (RuntimeError from its shard
+    bookkeeping); here the error says what happened and the fix."""
+    import torch.nn.utils.parametrize as parametrize
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardwise import fully_shard
+
+    class Symmetric(nn.Module):
+        def forward(self, x):
+            return x.triu() + x.triu(1).transpose(-1, -2)
+
+    for shard in (torch_fully_shard, fully_shard):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        shard(model)
+        parametrize.register_parametrization(model[0], "weight", Symmetric())
+        with pytest.raises(RuntimeError) as info:
+            model(torch.ones(2, 4))
+    assert "Parameter '0.weight': a parametrization was registered on it after fully_shard" in str(info.value)
+    assert "before fully_shard" in str(info.value)
+    # registered before sharding, it trains (its original tensor is what is sharded)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    parametrize.register_parametrization(model[0], "weight", Symmetric())
+    fully_shard(model)
+    model(torch.ones(2, 4)).sum().backward()
+    assert model[0].parametrizations.weight.original.grad is not None
+
 def test_non_floating_param_dtype():
     from shardwise import MixedPrecisionPolicy
 

@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn as nn
+import torch.nn.utils.parametrize as parametrize
 import torch.utils.dlpack
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch._subclasses.fake_tensor import FakeTensor
@@ -20,7 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardwise.observe as observe
-from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError
+from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
 from shardwise.layout import ShardLayout
 from shardwise.mesh import MeshInfo, join_meshes
 
@@ -315,6 +316,8 @@ class ShardedParam:
         ``to_empty`` / ``_apply`` / ``load_state_dict(assign=True)`` replaced it)."""
         module, name = self.owners[0]
         current = module._parameters.get(name)
+        if current is None and parametrize.is_parametrized(module, name):
+            return False  # moved by a parametrization: current_source says so
         if current is not self.sharded_param and current is not self.unsharded_param:
             return False
         local = local_of(self.sharded_param)
@@ -329,6 +332,13 @@ class ShardedParam:
         """The registered sharded parameter's local data (after a replacement)."""
         module, name = self.owners[0]
         current = module._parameters.get(name)
+        if current is None and parametrize.is_parametrized(module, name):
+            raise UsageError(
+                f"Parameter {self.fqn!r}: a parametrization was registered on it after fully_shard, which "
+                "moved the sharded parameter where fully_shard no longer gathers it. "
+                "Register parametrizations (weight_norm, spectral_norm, orthogonal, "
+                "register_parametrization) before fully_shard: it then shards their original tensors."
+            )
         if current is not None and current is not self.unsharded_param:
             if not isinstance(current, DTensor):
                 raise ConfigTypeError(
