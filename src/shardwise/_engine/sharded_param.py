@@ -316,8 +316,8 @@ class ShardedParam:
         ``to_empty`` / ``_apply`` / ``load_state_dict(assign=True)`` replaced it)."""
         module, name = self.owners[0]
         current = module._parameters.get(name)
-        if current is None and parametrize.is_parametrized(module, name):
-            return False  # moved by a parametrization: current_source says so
+        if self._parametrized_away(current):
+            return False  # current_source says so
         if current is not self.sharded_param and current is not self.unsharded_param:
             return False
         local = local_of(self.sharded_param)
@@ -328,11 +328,17 @@ class ShardedParam:
             and _same_memory(local, self.sharded_data)
         )
 
+    def _parametrized_away(self, current: object) -> bool:
+        """Whether a parametrization registered after fully_shard moved the
+        sharded parameter off its module (``current``: what is registered)."""
+        module, name = self.owners[0]
+        return current is None and parametrize.is_parametrized(module, name)
+
     def current_source(self) -> torch.Tensor:
         """The registered sharded parameter's local data (after a replacement)."""
         module, name = self.owners[0]
         current = module._parameters.get(name)
-        if current is None and parametrize.is_parametrized(module, name):
+        if self._parametrized_away(current):
             raise UsageError(
                 f"Parameter {self.fqn!r}: a parametrization was registered on it after fully_shard, which "
                 "moved the sharded parameter where fully_shard no longer gathers it. "
