@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -151,12 +151,11 @@ def shard_modules(
     # the engine's parameter that manages it, a conflict's by its owner's) and
     # its first place; read only to report a conflict at the first forward.
     claims: list[tuple[object, nn.Module, str]] = [(by_name[fqn], *places[0]) for _, places, fqn in collected]
-    for index, owner, mod, name, _, _ in reversed(conflicts):
-        claims.insert(index, (owner, mod, name))
+    for c in reversed(conflicts):
+        claims.insert(c.before, (c.owner, c.module, c.attr))
     state.shared_claims = claims
     if conflicts:
-        _, _, _, _, fqn, owner_name = conflicts[0]
-        state.conflict = f"{fqn!r} is also managed by the fully_shard of {owner_name}"
+        state.conflict = f"{conflicts[0].fqn!r} is also managed by the fully_shard of {conflicts[0].owner_name}"
     return state
 
 
@@ -221,10 +220,15 @@ def _on_data_parallel_mesh(p: DTensor, dp_mesh: DeviceMesh | None) -> bool:
     return names is None or dp_names is None or bool(set(names) & set(dp_names))
 
 
-# A parameter another fully_shard already manages: how many of this call's
-# own parameters come before it, the owner's parameter, where it is registered
-# (module, attribute, name under this call's module) and the owner's name.
-Conflict = tuple[int, object, nn.Module, str, str, str]
+class Conflict(NamedTuple):
+    """A parameter another fully_shard already manages, met by this call."""
+
+    before: int  # how many of this call's own parameters come before it
+    owner: object  # the owner's engine parameter (what identifies it)
+    module: nn.Module  # its first place here: module and attribute
+    attr: str
+    fqn: str  # its name under this call's module
+    owner_name: str
 
 
 def _collect_params(
@@ -266,7 +270,7 @@ def _collect_params(
                 # (its first place among this call's parameters decides which name is reported).
                 if id(p) not in conflicting:
                     conflicting.add(id(p))
-                    conflicts.append((len(found), owner[2]() or p, mod, name, fqn, owner[0]))
+                    conflicts.append(Conflict(len(found), owner[2]() or p, mod, name, fqn, owner[0]))
                 continue
             if p.ndim == 0:
                 raise ConfigError(
