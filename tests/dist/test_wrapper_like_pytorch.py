@@ -1211,3 +1211,40 @@ def test_module_list_with_an_auto_wrap_policy_like_pytorch():
         got[name] = runs
     assert got["sw"][:2] == got["pt"][:2]
     torch.testing.assert_close(got["sw"][2], got["pt"][2])
+
+
+# Optimizer state dicts keyed by name (use_orig_params, as the wrapper always
+# is): FSDP1 lists the parameters sorted by name, each one's state keys
+# in the optimizer's order (step, exp_avg, exp_avg_sq); the param groups keep
+# the optimizer's order. Found by a differential sweep: ours listed the
+# parameters in the optimizer's order.
+@pytest.mark.parametrize("kind", ["full", "full_offload", "sharded", "sharded_offload", "legacy_full"])
+@multi_rank(world_sizes=(2,))
+def test_optimizer_state_dict_key_order_like_pytorch(kind):
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    ours, theirs = _both(
+        _policies()["transformer"][0], _policies()["transformer"][1], use_orig_params=True
+    )
+    structure = {}
+    for name, lib, model in (("sw", shardwise, ours), ("pt", tfsdp, theirs)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(_x()).sum().backward()
+        opt.step()
+        fsdp = lib.FullyShardedDataParallel
+        if kind == "legacy_full":
+            osd = fsdp.full_optim_state_dict(model, opt, rank0_only=False)
+        else:
+            full = kind.startswith("full")
+            sd_type = lib.StateDictType.FULL_STATE_DICT if full else lib.StateDictType.SHARDED_STATE_DICT
+            cfg_type = lib.FullOptimStateDictConfig if full else lib.ShardedOptimStateDictConfig
+            cfg = cfg_type(offload_to_cpu=kind.endswith("offload"))
+            with fsdp.state_dict_type(model, sd_type, optim_state_dict_config=cfg):
+                osd = fsdp.optim_state_dict(model, opt)
+        structure[name] = (
+            [(k, list(v)) for k, v in osd["state"].items()],
+            [g["params"] for g in osd["param_groups"]],
+        )
+    assert structure["sw"] == structure["pt"]

@@ -179,6 +179,7 @@ def _to_named(
                     "parameters; pass optim.state_dict() of this optimizer."
                 )
             state[names[index]] = {k: _export(v, kind, offload) for k, v in osd["state"][index].items()}
+    state = dict(sorted(state.items()))  # by name, as FSDP1 with use_orig_params; groups keep their order
     groups = []
     for g in osd["param_groups"]:
         entry = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
