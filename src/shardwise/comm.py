@@ -276,7 +276,8 @@ class _Parcel:
     @property
     def received(self) -> torch.Tensor:
         got = self.packed if self.packed is not None else self.recv
-        assert got is not None and self.done
+        if got is None or not self.done:
+            raise RuntimeError("an exchange's data was read before it was waited for")
         return got
 
 
