@@ -229,8 +229,9 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) 
 # this project's CPU about 0.3 ms a call (issuing, waking gloo's thread,
 # waiting: the 24-block benchmark's forward and backward at two ranks less
 # at one, over its 74 exchanges), where copying 100 KiB takes 10-20 us. So
-# a reduce-scatter's exchange is held back, not sent, until the next all-gather over the same
-# group is issued, or until something waits for it; then everything held
+# a reduce-scatter's exchange is held back, not sent, until the next
+# all-gather over the same group is issued, or until something waits for
+# it; then everything held
 # travels with that all-gather as one exchange of their bytes (each part
 # aligned, copied in and out of one buffer). In backward a group's
 # reduce-scatter is followed at once by the next group's prefetch, so this
