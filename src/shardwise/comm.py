@@ -231,9 +231,8 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) 
 # at one, over its 74 exchanges), where copying 100 KiB takes 10-20 us. So
 # a reduce-scatter's exchange is held back, not sent, until the next
 # all-gather over the same group is issued, or until something waits for
-# it; then everything held
-# travels with that all-gather as one exchange of their bytes (each part
-# aligned, copied in and out of one buffer). In backward a group's
+# it; then everything held travels with that all-gather as one exchange of
+# their bytes (each part aligned, copied in and out of one buffer). In backward a group's
 # reduce-scatter is followed at once by the next group's prefetch, so this
 # halves backward's exchanges. Forward has nothing held: its all-gathers go
 # as before. Only small parts travel together (up to _HOLD_MAX_BYTES each):
