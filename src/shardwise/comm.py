@@ -202,6 +202,9 @@ class _Works:
         then, self._then = self._then, None
         if then is not None:
             then()
+        for work in works:
+            if isinstance(work, _Parcel):
+                work.release()  # what arrived has been read
         return True
 
     def is_completed(self) -> bool:
@@ -240,14 +243,43 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) 
 # large reduce-scatter is sent at once, and a large all-gather is sent after
 # (not with) whatever is held. Both ranks run the same hooks in the same
 # order, so they hold and send the same parts at the same points and each
-# exchange has the same size on both sides; a collective of anyone else's over the group in
-# between is issued in the same order on both ranks too. The bytes moved
-# and the one addition are the same, so results are bit for bit those of
-# separate exchanges. A reduce-scatter issued without ``async_op`` is waited
-# for at once, so it is sent at once.
+# exchange has the same size on both sides; a collective of anyone else's
+# over the group in between is issued in the same order on both ranks too.
+# The bytes moved and the one addition are the same, so results are bit for
+# bit those of separate exchanges. A reduce-scatter issued without
+# ``async_op`` is waited for at once, so it is sent at once. A packed
+# exchange's two byte buffers are reused by the next of the same size once
+# every part was read, and dropped when no packed exchange is left in
+# flight (the end of a backward), as the engine's pool is.
 _ALIGN = 16
 _HOLD_MAX_BYTES = 256 << 10
 _held: weakref.WeakKeyDictionary[dist.ProcessGroup, list[_Parcel]] = weakref.WeakKeyDictionary()
+
+
+class _Flight:
+    """A packed exchange's send and receive buffers, shared by its parts."""
+
+    spare: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by size, while any flight is live
+    live = 0
+
+    def __init__(self, nbytes: int, parts: int) -> None:
+        free = _Flight.spare.get(nbytes)
+        self.buffers = free.pop() if free else (
+            torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        )
+        self.left = parts
+        _Flight.live += 1
+
+    def part_done(self) -> None:
+        self.left -= 1
+        if self.left:
+            return
+        free = _Flight.spare.setdefault(self.buffers[0].numel(), [])
+        if len(free) < 4:
+            free.append(self.buffers)
+        _Flight.live -= 1
+        if not _Flight.live:
+            _Flight.spare.clear()
 
 
 class _Parcel:
@@ -255,12 +287,13 @@ class _Parcel:
     back is ``received`` (in ``recv`` when one was given, else wherever it
     landed)."""
 
-    __slots__ = ("group", "send", "recv", "work", "packed", "done")
+    __slots__ = ("group", "send", "recv", "work", "packed", "flight", "done")
 
     def __init__(self, group: dist.ProcessGroup, send: torch.Tensor, recv: torch.Tensor | None) -> None:
         self.group, self.send, self.recv = group, send, recv
         self.work: Any = None
         self.packed: torch.Tensor | None = None  # its part of a shared receive buffer
+        self.flight: _Flight | None = None  # that buffer's exchange, when packed
         self.done = False
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
@@ -278,8 +311,14 @@ class _Parcel:
     def received(self) -> torch.Tensor:
         got = self.packed if self.packed is not None else self.recv
         if got is None or not self.done:
-            raise RuntimeError("an exchange's data was read before it was waited for")
+            raise RuntimeError("an exchange's data was read before it was waited for (or after it was released)")
         return got
+
+    def release(self) -> None:
+        """What arrived has been read: a packed exchange's buffers may serve another."""
+        flight, self.flight, self.packed = self.flight, None, None
+        if flight is not None:
+            flight.part_done()
 
 
 def _post(group: dist.ProcessGroup, send: torch.Tensor, recv: torch.Tensor | None, hold: bool) -> _Parcel:
@@ -311,13 +350,13 @@ def _send_held(group: dist.ProcessGroup) -> None:
         nbytes = p.send.numel() * p.send.element_size()
         spans.append((total, nbytes))
         total += -(-nbytes // _ALIGN) * _ALIGN
-    send = torch.empty(total, dtype=torch.uint8)
-    recv = torch.empty(total, dtype=torch.uint8)
+    flight = _Flight(total, len(parcels))
+    send, recv = flight.buffers
     for p, (start, nbytes) in zip(parcels, spans):
         send[start : start + nbytes].view(p.send.dtype).copy_(p.send)
     work = _exchange(send, recv, group)
     for p, (start, nbytes) in zip(parcels, spans):
-        p.work, p.packed = work, recv[start : start + nbytes].view(p.send.dtype)
+        p.work, p.packed, p.flight = work, recv[start : start + nbytes].view(p.send.dtype), flight
 
 
 def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Works:

@@ -358,7 +358,9 @@ def test_reduce_scatters_travel_with_the_next_all_gather(precision):
     """[Note: held-back exchanges]: over two gloo ranks a block's reduce-scatter
     is held back and sent with the next all-gather (a bf16 gather beside an fp32
     reduction as bytes), so a step of n resharded blocks and a root takes
-    2n + 3 exchanges, not 3n + 2; training stays bit for bit PyTorch's."""
+    2n + 3 exchanges, not 3n + 2; training stays bit for bit PyTorch's. The
+    packed exchanges' buffers serve again within a backward and none is kept
+    after it."""
     import torch.distributed as dist
     from fsdp_reference import shard_blocks
 
@@ -376,7 +378,7 @@ def test_reduce_scatters_travel_with_the_next_all_gather(precision):
     real = comm._exchange
 
     def counting(send, recv, group):
-        sent.append(send.dtype)
+        sent.append(send)  # held: a fresh buffer cannot take a freed one's id
         return real(send, recv, group)
 
     comm._exchange = counting
@@ -393,7 +395,10 @@ def test_reduce_scatters_travel_with_the_next_all_gather(precision):
                 losses.append(loss)
                 if i == 0:
                     assert len(sent) == 2 * n + 3, (step, len(sent))
-                    assert sent.count(torch.uint8) == n - 1, sent  # the packed ones
+                    packed = [t for t in sent if t.dtype == torch.uint8]
+                    assert len(packed) == n - 1, [t.dtype for t in sent]
+                    assert len({id(t) for t in packed}) < len(packed)  # buffers reused
+                    assert comm._Flight.live == 0 and not comm._Flight.spare  # none kept
                 else:
                     assert not sent  # PyTorch's FSDP calls gloo's collectives
             assert torch.equal(losses[0], losses[1]), (step, losses)
