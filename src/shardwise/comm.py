@@ -235,9 +235,9 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) 
 # a reduce-scatter's exchange is held back, not sent, until the next
 # all-gather over the same group is issued, or until something waits for
 # it; then everything held travels with that all-gather as one exchange of
-# their bytes (each part aligned, copied in and out of one buffer). In backward a group's
-# reduce-scatter is followed at once by the next group's prefetch, so this
-# halves backward's exchanges. Forward has nothing held: its all-gathers go
+# their bytes (each part aligned, copied in and out of one buffer). In
+# backward a group's reduce-scatter is followed at once by the next group's
+# prefetch, so this halves backward's exchanges. Forward has nothing held: its all-gathers go
 # as before. Only small parts travel together (up to _HOLD_MAX_BYTES each):
 # above that the copies in and out cost more than the exchange saved, so a
 # large reduce-scatter is sent at once, and a large all-gather is sent after
