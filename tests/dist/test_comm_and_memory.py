@@ -408,6 +408,47 @@ def test_reduce_scatters_travel_with_the_next_all_gather(precision):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
+@multi_rank(world_sizes=(2,))
+def test_user_collectives_between_held_exchanges():
+    """[Note: held-back exchanges]: a user's collective over the same group
+    issued in the backward while a reduce-scatter is held (a gradient hook
+    that all-reduces) is issued in the same order on both ranks: no hang,
+    and gradients as PyTorch's."""
+    import torch.distributed as dist
+    from fsdp_reference import shard_blocks
+
+    import shardwise.comm as comm
+    from shardwise.models import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, dim=16, n_layers=4, n_heads=2)
+    x, y = synthetic_batch(cfg, 2, seed=0, rank=dist.get_rank())
+    seen = {}
+    for lib in ("shardwise", "torch"):
+        torch.manual_seed(0)
+        model = shard_blocks(GPT(cfg), lib)
+        sums, held = [], []
+
+        def hook(grad, sums=sums):
+            held.append(any(comm._held.values()))
+            total = grad.detach().sum().reshape(1).clone()
+            dist.all_reduce(total)  # the default group: the one the blocks are sharded over
+            sums.append(total)
+
+        def on_output(mod, args, out):
+            out.register_hook(hook)
+
+        for block in model.blocks:
+            block.register_forward_hook(on_output)
+        GPT.loss(model(x), y).backward()
+        seen[lib] = (sums, {n: p.grad.full_tensor() for n, p in model.named_parameters()}, held)
+    assert len(seen["shardwise"][0]) == cfg.n_layers
+    assert any(seen["shardwise"][2]), "no user collective ran while a reduce-scatter was held"
+    for a, b in zip(seen["shardwise"][0], seen["torch"][0]):
+        assert torch.equal(a, b)
+    for name, grad in seen["shardwise"][1].items():
+        assert torch.equal(grad, seen["torch"][1][name]), name
+
+
 @multi_rank(world_sizes=(2, 3, 4))
 def test_gloo_in_place_collectives_equal_gloo_collectives(world_size):
     """[Note: gloo without its copies]: the all-gather (any world size) and
