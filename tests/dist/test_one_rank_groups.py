@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from fsdp_reference import Block, CollectiveLog, Net
 
@@ -250,3 +251,151 @@ def test_world_size_one_communicates_nothing():
     parity_train(_net, shard, _batch, _loss, steps=STEPS)
     _wrapper_parity("FULL_SHARD")
     _wrapper_parity("NO_SHARD")
+
+
+class _Seen(nn.Module):
+    """A block that records the storage its weights compute with."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin1 = nn.Linear(dim, dim)
+        self.lin2 = nn.Linear(dim, dim)
+        self.seen: list[int] = []
+
+    def forward(self, x):
+        self.seen.append(self.lin1.weight.untyped_storage().data_ptr())
+        return self.lin2(F.relu(self.lin1(x)))
+
+
+class _SeenNet(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Seen(dim) for _ in range(2))
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _shard_ptrs(model):
+    return [b.lin1.weight.to_local().untyped_storage().data_ptr() for b in model.blocks]
+
+
+def _train_side_by_side(models, steps, dim, compare_params=True):
+    """Train every model of ``models`` (name -> module) on the same batches
+    with AdamW; their losses, then their full parameters, must be equal."""
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step + 10 * dist.get_rank())
+        x, y = torch.randn(4, dim, generator=g), torch.randn(4, 3, generator=g)
+        losses = {}
+        for k, m in models.items():
+            loss = _loss(m(x), y)
+            loss.backward()
+            opts[k].step()
+            opts[k].zero_grad()
+            losses[k] = loss.detach()
+        first = next(iter(losses.values()))
+        assert all(torch.equal(first, v) for v in losses.values()), losses
+    if not compare_params:
+        return
+    full = {  # FSDP1 names its parameters with its wrappers' prefix (decisions.md)
+        k: {n.replace("_fsdp_wrapped_module.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p
+            for n, p in m.named_parameters()}
+        for k, m in models.items()
+    }
+    first = next(iter(full.values()))
+    for k, params in full.items():
+        assert params.keys() == first.keys()
+        for n in first:
+            assert torch.equal(params[n], first[n]), (k, n)
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+@multi_rank(world_sizes=(1,))
+def test_world_size_one_computes_on_the_shards(param_dtype):
+    """On one rank the unsharded parameters are the shards themselves (the
+    group's flat buffer: nothing copied, nothing allocated for them, one copy
+    of the parameters in the step), in forward and in the backward's
+    re-gather; training is bit for bit PyTorch's fully_shard's and the
+    unsharded model's. Under bf16 mixed precision (a cast) and where a
+    parameter would start unaligned in the buffer, they are copied as before,
+    and train the same."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as PTMP
+    from torch.distributed.fsdp import fully_shard as pt_fully_shard
+
+    from shardwise import MixedPrecisionPolicy, fully_shard
+
+    for dim, aligned in ((16, True), (10, False)):  # 10 fp32 biases: the next weight 8 bytes off
+        torch.manual_seed(0)
+        base = _SeenNet(dim)
+        models = {"local": copy.deepcopy(base)} if param_dtype is None else {}
+        for name, fs, mp in (("shardwise", fully_shard, MixedPrecisionPolicy), ("torch", pt_fully_shard, PTMP)):
+            m = copy.deepcopy(base)
+            for blk in m.blocks:
+                fs(blk, mp_policy=mp(param_dtype=param_dtype))
+            models[name] = fs(m, mp_policy=mp(param_dtype=param_dtype))
+        _train_side_by_side(models, STEPS, dim)
+        ours = models["shardwise"]
+        seen = [b.seen for b in ours.blocks]
+        assert all(len(s) == STEPS for s in seen), seen
+        expect_alias = aligned and param_dtype is None
+        for ptr, s in zip(_shard_ptrs(ours), seen):
+            assert all((p == ptr) is expect_alias for p in s), (dim, param_dtype, ptr, s)
+        # The backward's re-gather too: the saved weights are the shards'
+        # (a reshard after forward freed nothing there, so the step kept one copy).
+        blk, shard_ptr = ours.blocks[0], _shard_ptrs(ours)[0]
+        blk.unshard()
+        assert (blk.lin1.weight.untyped_storage().data_ptr() == shard_ptr) is expect_alias
+        blk.reshard()
+        assert blk.lin1.weight.to_local().untyped_storage().size() > 0
+
+
+@multi_rank(world_sizes=(2,))
+def test_no_shard_wrapper_computes_on_the_shards_like_fsdp1(world_size):
+    """The wrapper's NO_SHARD: the parameters each block computes with are its
+    shards' storage (FSDP1 keeps one copy too); training equals FSDP1's
+    NO_SHARD bit for bit. Writes inside summon_full_params(writeback=False)
+    persist, as FSDP1 documents for NO_SHARD and does; under FULL_SHARD
+    (the control) they are discarded by both."""
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    torch.manual_seed(0)
+    base = _SeenNet(16)
+    results = {}
+    for strategy in ("NO_SHARD", "FULL_SHARD"):
+        ours = shardwise.FullyShardedDataParallel(
+            copy.deepcopy(base), sharding_strategy=getattr(shardwise.ShardingStrategy, strategy))
+        theirs = tfsdp.FullyShardedDataParallel(
+            copy.deepcopy(base), sharding_strategy=getattr(tfsdp.ShardingStrategy, strategy),
+            device_id=torch.device("cpu"), use_orig_params=True)
+        models = {"shardwise": ours, "torch": theirs}
+        _train_side_by_side_wrapped(models, STEPS, 16)
+        if strategy == "NO_SHARD":
+            ptr = dict(ours.named_parameters())["blocks.0.lin1.weight"].to_local().untyped_storage().data_ptr()
+            seen = ours.module.blocks[0].seen
+            assert len(seen) == STEPS and all(s == ptr for s in seen), (seen, ptr)
+        for name, m in models.items():
+            with type(m).summon_full_params(m, writeback=False):
+                with torch.no_grad():
+                    m.module.out.weight.fill_(7.0)
+            with type(m).summon_full_params(m):
+                results[strategy, name] = m.module.out.weight.detach().clone()
+    assert torch.equal(results["NO_SHARD", "shardwise"], results["NO_SHARD", "torch"])
+    assert bool((results["NO_SHARD", "torch"] == 7.0).all())
+    assert torch.equal(results["FULL_SHARD", "shardwise"], results["FULL_SHARD", "torch"])
+    assert not bool((results["FULL_SHARD", "torch"] == 7.0).any())
+
+
+def _train_side_by_side_wrapped(models, steps, dim):
+    _train_side_by_side(models, steps, dim, compare_params=False)  # FSDP1's are flat outside a summon
+    full = {}
+    for k, m in models.items():
+        with type(m).summon_full_params(m):
+            full[k] = {n: p.detach().clone() for n, p in m.named_parameters()}
+    assert full["torch"].keys() == full["shardwise"].keys()
+    assert all(torch.equal(full["torch"][n], v) for n, v in full["shardwise"].items())

@@ -431,24 +431,61 @@ class ParamGroup:
     def _unsharded_fast(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """The fast path's unsharded parameters, in one buffer: allocated in one
         go (created the first time, and anew if the dtype or device changed),
-        returned as the plain tensors to gather into."""
+        returned as the plain tensors to gather into. Over a one-rank shard
+        group that buffer is the shards' own ([Note: one-rank groups alias
+        their shards])."""
         buf = self._unsharded_flat
-        if buf is not None and buf.dtype == dtype and buf.device == self.device:
-            alloc_storage(buf)
+        alias = self._aliases_shards(dtype)
+        if buf is not None and buf.dtype == dtype and buf.device == self.device and alias == (buf is self.flat_sharded):
+            if not alias:
+                alloc_storage(buf)
             for p in self.params:
                 up = p.unsharded_param
                 if up is not None and up.requires_grad != p.requires_grad:
                     up.requires_grad_(p.requires_grad)
             return self._unsharded_locals
-        offsets, total = self.plan.unsharded_offsets(dtype.itemsize)
-        with torch.inference_mode(False):  # reused by later training steps
-            buf = torch.empty(total, dtype=dtype, device=self.device)
+        if alias and self.flat_sharded is not None:
+            buf = self.flat_sharded
+            base = int(buf.storage_offset())
+            offsets = [base + off for off in self.plan.flat.offsets[:-1]]
+        else:
+            rel, total = self.plan.unsharded_offsets(dtype.itemsize)
+            with torch.inference_mode(False):  # reused by later training steps
+                buf = torch.empty(total, dtype=dtype, device=self.device)
+            offsets = list(rel)
         storage = buf.untyped_storage()
         self._unsharded_locals = [
             p.ensure_unsharded(dtype, self.device, storage, off) for p, off in zip(self.params, offsets)
         ]
         self._unsharded_flat = buf
         return self._unsharded_locals
+
+    # [Note: one-rank groups alias their shards]
+    # Over a one-rank shard group (world size 1, NO_SHARD, HSDP with shard
+    # size 1) a shard is its whole parameter, and the group's flat shard
+    # buffer already holds every parameter whole, back to back. When the
+    # gather would be a plain copy of it (our own collectives, the same dtype
+    # and device: no mixed-precision cast, no offload to another device),
+    # the unsharded parameters are tensors over that buffer itself: nothing
+    # is copied in, copied out, allocated or freed, and the step holds one
+    # copy of the parameters, not two. Unsharded and sharded parameters stay
+    # separate tensors (their own autograd version counters), as they are
+    # when copied. What follows is what FSDP1 documents for NO_SHARD and
+    # world size 1 (where it does not shard either): writes to the unsharded
+    # parameters persist, with ``summon_full_params(writeback=False)`` too,
+    # and an in-place update of the shards between a forward and its
+    # backward is seen by that backward. Only where every parameter starts 16
+    # bytes aligned in the buffer (what vectorised kernels and cuBLAS want);
+    # otherwise the parameters are copied into an aligned buffer as before.
+    def _aliases_shards(self, dtype: torch.dtype) -> bool:
+        src = self.flat_sharded
+        if src is None or src.dtype != dtype or src.device != self.device or self.plan.flat.num_shards != 1:
+            return False
+        if coll.communicates(self.settings.all_gather_comm, self.info.shard_group):
+            return False
+        return self.plan.flat.dim0 and all(
+            (src.storage_offset() + off) * dtype.itemsize % 16 == 0 for off in self.plan.flat.offsets[:-1]
+        )
 
     @_outside_functorch
     def wait_for_unshard(self) -> None:
@@ -464,7 +501,9 @@ class ParamGroup:
                     fulls = self._unsharded_fast(dtype)
                 else:
                     fulls = [p.ensure_unsharded(dtype, self.device) for p in self.params]
-                coll.finish_all_gather(result, fulls, self.name, self.ctx.pool)
+                if not (self.plan.fast and self._unsharded_flat is result.output is self.flat_sharded):
+                    coll.finish_all_gather(result, fulls, self.name, self.ctx.pool)
+                # else: the unsharded parameters are the shards themselves, and nothing was sent
             elif all(isinstance(r, coll.AllGatherResult) for r in result):
                 gathers = cast(tuple[coll.AllGatherResult, ...], result)
                 for r, (_, indices, _) in zip(gathers, self.flat_by_dtype):
@@ -492,7 +531,8 @@ class ParamGroup:
 
     def _free_unsharded(self) -> None:
         if self.plan.fast and self._unsharded_flat is not None:
-            free_storage(self._unsharded_flat)
+            if self._unsharded_flat is not self.flat_sharded:  # else the shards themselves
+                free_storage(self._unsharded_flat)
         else:
             for p in self.params:
                 p.free_unsharded()
