@@ -418,3 +418,89 @@ def test_class_swap_and_isinstance():
     assert type(m).__name__ == "FSDPStack"
     m2 = fully_shard(Stack())
     assert type(m2) is type(m)  # one class per original class
+
+
+class _WithScale(nn.Module):
+    """A weight beside a (1,) parameter: at world size 2 one rank's shard of
+    ``scale`` is empty (its rows are all padding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("when", ["before_first_forward", "after_no_grad_forward"])
+@multi_rank(world_sizes=(2,))
+def test_explicit_unshard_with_an_empty_shard_trains_like_pytorch(when):
+    """``unshard()`` before the first forward, or after a no_grad forward (the
+    root stays gathered), with a parameter whose shard is empty on one rank.
+    That rank took its empty shard for a replaced one (an empty tensor has no
+    address to compare) and resharded alone, so the ranks' collectives
+    differed (a gloo size mismatch, or a hang). Now both ranks agree, and
+    training is bit for bit PyTorch's fully_shard's."""
+    from torch.distributed.fsdp import fully_shard as pt_fully_shard
+
+    from shardwise import fully_shard
+
+    torch.manual_seed(0)
+    base = _WithScale()
+    results = {}
+    for name, fs in (("shardwise", fully_shard), ("torch", pt_fully_shard)):
+        model = fs(copy.deepcopy(base))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * dist.get_rank() + step))
+            if when == "before_first_forward" and step == 0:
+                model.unshard()
+            if when == "after_no_grad_forward" and step == 1:
+                with torch.no_grad():
+                    model(x)
+                model.unshard()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        results[name] = (losses, [p.full_tensor() for p in model.parameters()])
+    for got, want in zip(results["shardwise"][0] + results["shardwise"][1],
+                         results["torch"][0] + results["torch"][1]):
+        assert torch.equal(got, want), (got, want)
+
+
+@multi_rank(world_sizes=(2,))
+def test_summon_after_no_grad_forward_with_an_empty_shard_like_fsdp1():
+    """The wrapper API, same cause: after a no_grad forward (the root stays
+    gathered), summon_full_params and a FULL state dict on a model with a
+    Linear(5, 1) (an empty weight shard on one rank) give the same full
+    parameters as FSDP1's, instead of diverging collectives."""
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
+    got = {}
+    for name, fsdp, kw in (("shardwise", shardwise, {}),
+                           ("torch", tfsdp, {"use_orig_params": True, "device_id": torch.device("cpu")})):
+        model = fsdp.FullyShardedDataParallel(copy.deepcopy(base), **kw)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        x = torch.randn(3, 3, generator=torch.Generator().manual_seed(dist.get_rank()))
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            model(x)
+        with fsdp.FullyShardedDataParallel.summon_full_params(model):
+            summoned = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            model(x)
+        with fsdp.FullyShardedDataParallel.state_dict_type(model, fsdp.StateDictType.FULL_STATE_DICT):
+            got[name] = (summoned, model.state_dict())
+    for ours, theirs in zip(got["shardwise"], got["torch"]):
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), (ours, theirs)

@@ -246,6 +246,7 @@ class ShardedParam:
         self.check_extensions(local_param)
         # Filled by ParamGroup._init_storage (and again when shards are replaced).
         self.sharded_data: torch.Tensor = torch.empty(0)
+        self._adopted_local: torch.Tensor | None = None  # the local shard adopt_storage made
         self.sharded_param: nn.Parameter = param
         # Only for building the first DTensor; never keep the full tensor alive.
         self._initial_requires_grad = param.requires_grad
@@ -283,6 +284,7 @@ class ShardedParam:
             padded.narrow(self.shard_dim, rows, self.layout.chunk - rows).zero_()
         local = own_storage(local)  # [Note: shards with a storage of their own]
         self.sharded_data = padded
+        self._adopted_local = local
         current = self.sharded_param
         if (
             isinstance(current, DTensor)
@@ -325,7 +327,11 @@ class ShardedParam:
             local.device == self.sharded_data.device
             and local.dtype == self.sharded_data.dtype
             and local.device.type != "meta"
-            and _same_memory(local, self.sharded_data)
+            # An empty shard (all padding on this rank) has no memory to compare
+            # (re-wrapped, its address is 0): it is adopted while it is the tensor
+            # adopted. Otherwise this rank alone would re-adopt, and reshard, and
+            # its collectives would no longer match the other ranks'.
+            and (local is self._adopted_local if local.numel() == 0 else _same_memory(local, self.sharded_data))
         )
 
     def _parametrized_away(self, current: object) -> bool:
