@@ -221,6 +221,56 @@ def test_mixed_parameter_dtypes_in_one_group_are_no_error():
 
 
 
+@pytest.mark.parametrize("built", ["before_sharding", "after_sharding"])
+@multi_rank(world_sizes=(2,))
+def test_a_tie_broken_by_sharding_one_side_trains_both_like_pytorch(built):
+    """Only the embedding of a tied embedding / head is sharded, the root is
+    not: the head keeps the original parameter and computes with it, so
+    sharding breaks the tie and both train apart, as in PyTorch (the head on
+    its local gradient). The optimizer must keep stepping the head's
+    original: it was swapped for the embedding's sharded parameter (taken
+    for a stale original), and the head never trained. Bit for bit
+    PyTorch's fully_shard, optimizer built after sharding (PyTorch's own
+    optimizer then holds both); built before, it trains the same here (the
+    embedding's stale original is swapped, the head's live one kept)."""
+    from torch.distributed.fsdp import fully_shard as pt_fully_shard
+
+    from shardwise import fully_shard
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.head = nn.Linear(8, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.embed(x)))
+
+    torch.manual_seed(0)
+    base = Tied()
+    results = {}
+    for name, fs in (("shardwise", fully_shard), ("torch", pt_fully_shard)):
+        model = copy.deepcopy(base)
+        if built == "before_sharding" and name == "shardwise":
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)  # holds the one tied original
+            fs(model.embed)
+            opt.add_param_group({"params": [model.embed.weight]})  # ... and now the shard
+        else:
+            fs(model.embed)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        head_before = model.head.weight.detach().clone()
+        for step in range(3):
+            x = torch.randint(0, 10, (2, 3), generator=torch.Generator().manual_seed(10 * dist.get_rank() + step))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert not torch.equal(model.head.weight.detach(), head_before), name
+        results[name] = (model.embed.weight.full_tensor(), model.head.weight.detach().clone())
+    for got, want in zip(results["shardwise"], results["torch"]):
+        assert torch.equal(got, want)
+
+
 # An optimizer built before sharding holds the parameters sharding replaced.
 # At its first step it is given their sharded parameters and trains as the
 # unsharded model does (FSDP1 with use_orig_params keeps the original objects

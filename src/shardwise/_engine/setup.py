@@ -33,8 +33,8 @@ from .sharded_param import GATHERED_FROM, ShardedParam
 __all__ = ["shard_modules"]
 
 # original parameter -> (description of the group that manages it, its name,
-# its ShardedParam): to refuse a parameter shared by two groups, and to give an
-# optimizer that still holds it the sharded one.
+# its ShardedParam, its .grad when sharded): to refuse a parameter shared by
+# two groups, and to give an optimizer that still holds it the sharded one.
 _OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # optimizer -> (sharding calls so far, how many parameters it held) when last
 # checked: checked again after either changes (see _check_optimizer).
@@ -66,6 +66,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             # parameter: registered in _OWNED (shared-parameter checks need it),
             # yet nothing to swap.
             if sp is None or sp.sharded_param is p:
+                continue
+            if owned is not None and p.grad is not None and (owned[3] is None or owned[3]() is not p.grad):
+                # A gradient reached the original since sharding: the model still
+                # computes with it elsewhere (a module outside every group holds it,
+                # e.g. a tied head when only the embedding was sharded), so it
+                # trains as it is, apart from the sharded copy, as in PyTorch.
                 continue
             if owned is None and any(m._parameters.get(n) is p for m, n in sp.owners):
                 settled = False  # still registered (inside summon_full_params): a step now is legitimate
@@ -138,7 +144,8 @@ def shard_modules(
     del planned  # never keep the full tensors alive
     by_name = {sp.fqn: sp for g in groups for sp in g.params}
     for orig, _, fqn in collected:
-        _OWNED[orig] = (desc, fqn, weakref.ref(by_name[fqn]))  # weak: the original may live on in the engine
+        grad = None if orig.grad is None else weakref.ref(orig.grad)
+        _OWNED[orig] = (desc, fqn, weakref.ref(by_name[fqn]), grad)  # weak: the original may live on in the engine
     _SHARDINGS[0] += 1
     if not _HOOKED:
         _HOOKED.append(register_optimizer_step_pre_hook(_check_optimizer))
