@@ -504,3 +504,53 @@ def test_summon_after_no_grad_forward_with_an_empty_shard_like_fsdp1():
     for ours, theirs in zip(got["shardwise"], got["torch"]):
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), (ours, theirs)
+
+
+class _ParentWithOwnParams(nn.Module):
+    """Parameters of its own beside its children's, the own ones registered first."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((3,), 0.5))
+        self.lin = nn.Linear(64, 96)
+        self.inner = nn.Sequential(nn.Linear(96, 64), nn.LayerNorm(64))
+        self.shift = nn.Parameter(torch.zeros(64))
+
+    def forward(self, x):
+        return self.inner(torch.tanh(self.lin(x))) * self.scale.sum() + self.shift
+
+
+@multi_rank(world_sizes=(3,))
+def test_group_parameters_in_pytorchs_order():
+    """A group lays its parameters out as PyTorch's does: modules in
+    post-order (children before their parent), each module's own parameters
+    in order. Over three gloo ranks the reduce-scatter's ring sums each
+    element in an order that depends on where it falls in the buffer, so any
+    other layout moves gradients off PyTorch's in the last bits; with the
+    same layout, gradients and parameters are bit for bit PyTorch's over 3
+    AdamW steps."""
+    from torch.distributed.fsdp import fully_shard as pt_fully_shard
+
+    from shardwise import fully_shard
+
+    torch.manual_seed(0)
+    base = nn.Sequential(_ParentWithOwnParams(), _ParentWithOwnParams())
+    got = {}
+    for name, fs in (("shardwise", fully_shard), ("torch", pt_fully_shard)):
+        model = copy.deepcopy(base)
+        fs(model[0])
+        fs(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        grads = []
+        for step in range(3):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(10 * dist.get_rank() + step))
+            model(x).square().mean().backward()
+            grads.append([p.grad.full_tensor() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+        got[name] = (grads, [p.full_tensor() for p in model.parameters()])
+    for step, (ours, theirs) in enumerate(zip(got["shardwise"][0], got["torch"][0])):
+        for (n, _), a, b in zip(base.named_parameters(), ours, theirs):
+            assert torch.equal(a, b), (step, n, (a - b).abs().max())
+    for a, b in zip(got["shardwise"][1], got["torch"][1]):
+        assert torch.equal(a, b)

@@ -246,7 +246,12 @@ def _collect_params(
     that another group already manages go into ``conflicts``."""
     found: dict[int, Collected] = {}
     conflicting: set[int] = set()
+    conflict_ids: list[int] = []
     seen_modules: set[int] = set()
+    # The group's order, PyTorch's: modules in post-order (children before
+    # their parent), each module's own parameters in order, the first place
+    # counting. Places and names are found in pre-order (named_parameters').
+    order: dict[int, int] = {}
 
     def visit(mod: nn.Module, prefix: str, top: bool) -> None:
         if id(mod) in seen_modules:
@@ -277,7 +282,8 @@ def _collect_params(
                 # (its first place among this call's parameters decides which name is reported).
                 if id(p) not in conflicting:
                     conflicting.add(id(p))
-                    conflicts.append(Conflict(len(found), owner[2]() or p, mod, name, fqn, owner[0]))
+                    conflict_ids.append(id(p))
+                    conflicts.append(Conflict(0, owner[2]() or p, mod, name, fqn, owner[0]))
                 continue
             if p.ndim == 0:
                 raise ConfigError(
@@ -288,10 +294,18 @@ def _collect_params(
         for cname, child in mod._modules.items():
             if child is not None:
                 visit(child, f"{prefix}{cname}.", False)
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in order and (id(p) in found or id(p) in conflicting):
+                order[id(p)] = len(order)
 
     for i, m in enumerate(modules):
         visit(m, f"[{i}]." if len(modules) > 1 else "", True)
-    collected = list(found.values())
+    collected = sorted(found.values(), key=lambda c: order[id(c[0])])
+    # A conflict's place among this call's own parameters, in the same order.
+    ranked = sorted(zip(conflict_ids, conflicts), key=lambda ic: order[ic[0]])
+    conflicts[:] = [
+        c._replace(before=sum(order[id(q)] < order[i] for q, _, _ in collected)) for i, c in ranked
+    ]
     devices = {p.device for p, _, _ in collected}
     if len(devices) > 1:
         where = ", ".join(f"{fqn} on {p.device}" for p, _, fqn in collected[:6])
