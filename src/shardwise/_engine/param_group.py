@@ -479,12 +479,10 @@ class ParamGroup:
     # otherwise the parameters are copied into an aligned buffer as before.
     def _aliases_shards(self, dtype: torch.dtype) -> bool:
         src = self.flat_sharded
-        if src is None or src.dtype != dtype or src.device != self.device or self.plan.flat.num_shards != 1:
-            return False
-        if coll.communicates(self.settings.all_gather_comm, self.info.shard_group):
-            return False
-        return self.plan.flat.dim0 and all(
-            (src.storage_offset() + off) * dtype.itemsize % 16 == 0 for off in self.plan.flat.offsets[:-1]
+        return (
+            src is not None and src.dtype == dtype and src.device == self.device
+            and self.plan.whole_and_aligned(dtype.itemsize) and src.storage_offset() == 0
+            and not coll.communicates(self.settings.all_gather_comm, self.info.shard_group)
         )
 
     @_outside_functorch

@@ -35,6 +35,7 @@ class GroupPlan:
         self._full_numels = [p.full_shape.numel() for p in params]
         self._full_offsets: dict[int, tuple[list[int], int]] = {}
         self._factors: dict[tuple[torch.dtype, float], tuple[float, float]] = {}
+        self._aligned: dict[int, bool] = {}
 
     def flat_of(self, params: Sequence[ShardedParam]) -> FlatLayout:
         """The flat layout of some of the group's parameters (those with a
@@ -60,6 +61,19 @@ class GroupPlan:
                 acc += -(-n // align) * align
             cached = self._full_offsets[itemsize] = (offsets, acc)
         return cached
+
+    def whole_and_aligned(self, itemsize: int) -> bool:
+        """Whether each shard is its whole parameter (one shard each, on dim 0)
+        and each starts 16 bytes aligned in the flat buffer, for elements of
+        ``itemsize`` bytes: the unsharded parameters may then be the shards
+        ([Note: one-rank groups alias their shards])."""
+        ok = self._aligned.get(itemsize)
+        if ok is None:
+            flat = self.flat
+            ok = self._aligned[itemsize] = flat.num_shards == 1 and flat.dim0 and all(
+                off * itemsize % 16 == 0 for off in flat.offsets[:-1]
+            )
+        return ok
 
     def divide_factors(self, dtype: torch.dtype, factor: float) -> tuple[float, float]:
         """``(before, after)`` the sum: dividing a reduction of ``dtype`` by
