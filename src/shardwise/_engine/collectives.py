@@ -121,10 +121,10 @@ RAISE_AS_IS = "_shardwise_raise_as_is"
 def _guard(where: str, hook: str, fn: Callable[[], T]) -> T:
     try:
         return fn()
-    except Exception as exc:  # a user's comm raised: say whose and which hook
+    except Exception as exc:  # a collective (ours or a user's) raised: say where and which
         if getattr(exc, RAISE_AS_IS, False):  # e.g. an FSDP1 comm hook's own error, as FSDP1 raises it
             raise
-        raise CollectiveError(f"{where}: the custom {hook} raised {type(exc).__name__}: {exc}") from exc
+        raise CollectiveError(f"{where}: the {hook} raised {type(exc).__name__}: {exc}") from exc
 
 
 def allocate(
