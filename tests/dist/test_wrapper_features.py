@@ -144,36 +144,49 @@ def test_keep_low_precision_grads(keep):
     assert {p.dtype for p in w.parameters()} == {torch.float32}
 
 
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("root_cast,cast", [(True, False), (False, False), (False, True), (True, True)])
 @multi_rank(world_sizes=(2,))
-def test_forward_input_casting(root_cast, cast):
-    """The root casts its inputs iff cast_root_forward_inputs (that wins at the
-    root); nested wrappers cast theirs iff cast_forward_inputs."""
+def test_forward_input_casting(root_cast, cast, own):
+    """What each wrapper's module receives, as under FSDP1: a wrapper with
+    parameters of its own casts its inputs iff cast_forward_inputs, and the
+    root also iff cast_root_forward_inputs. (FSDP1's documentation says only
+    that the root's setting takes precedence; its root pre-forward casts,
+    then every wrapper's pre-forward that has a flat parameter casts again,
+    the root's included.)"""
+    import torch.distributed.fsdp as tfsdp
+
     import shardwise
-    from shardwise import FullyShardedDataParallel as FSDP
 
     class Upcast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if own:  # a parameter the root wrapper manages itself
+                self.unused = nn.Parameter(torch.ones(4))
+
         def forward(self, x):
             return x.float()
 
-    torch.manual_seed(0)
-    mp = shardwise.MixedPrecision(
-        param_dtype=torch.bfloat16, cast_root_forward_inputs=root_cast, cast_forward_inputs=cast
-    )
-    inner = nn.Linear(4, 4)
     seen = {}
-    model = nn.Sequential(Upcast(), nn.Linear(4, 4))
-    model[1] = FSDP(inner, mixed_precision=mp)
-    root = FSDP(model, mixed_precision=mp)
-    root.module[0].register_forward_pre_hook(lambda m, a: seen.update(root=a[0].dtype))
-    inner.register_forward_pre_hook(lambda m, a: seen.update(inner=a[0].dtype))
-    try:
-        root(torch.randn(2, 4))
-    except RuntimeError:
-        pass  # mismatched dtypes in the Linear are fine here: we look at what arrived
-    assert seen["root"] == (torch.bfloat16 if root_cast else torch.float32)
-    assert seen["inner"] == (torch.bfloat16 if cast else torch.float32)
-    assert root.check_is_root() and not model[1].check_is_root()
+    for name, lib, kw in (("shardwise", shardwise, {}),
+                          ("torch", tfsdp, {"use_orig_params": True, "device_id": torch.device("cpu")})):
+        torch.manual_seed(0)
+        mp = lib.MixedPrecision(param_dtype=torch.bfloat16, cast_root_forward_inputs=root_cast, cast_forward_inputs=cast)
+        inner = nn.Linear(4, 4)
+        model = nn.Sequential(Upcast(), nn.Linear(4, 4))
+        model[1] = lib.FullyShardedDataParallel(inner, mixed_precision=mp, **kw)
+        root = lib.FullyShardedDataParallel(model, mixed_precision=mp, **kw)
+        got = seen[name] = {}
+        root.module[0].register_forward_pre_hook(lambda m, a, got=got: got.update(root=a[0].dtype))
+        inner.register_forward_pre_hook(lambda m, a, got=got: got.update(inner=a[0].dtype))
+        try:
+            root(torch.randn(2, 4))
+        except RuntimeError:
+            pass  # mismatched dtypes in the Linear are fine here: we look at what arrived
+        assert root.check_is_root() and not model[1].check_is_root()
+    assert seen["shardwise"] == seen["torch"], seen
+    assert seen["torch"]["root"] == (torch.bfloat16 if root_cast or (cast and own) else torch.float32)
+    assert seen["torch"]["inner"] == (torch.bfloat16 if cast else torch.float32)
 
 
 # ---- initialisation ---------------------------------------------------------------------

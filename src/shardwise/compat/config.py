@@ -135,11 +135,11 @@ class MixedPrecision:
             original dtype. (Default: ``None``: no cast)
         keep_low_precision_grads: keep reduced gradients in the reduction dtype
             instead of upcasting them for the optimizer. (Default: ``False``)
-        cast_forward_inputs: non-root instances cast floating-point forward
+        cast_forward_inputs: every instance casts floating-point forward
             inputs to ``param_dtype``. (Default: ``False``)
         cast_root_forward_inputs: the root casts floating-point forward inputs
-            to ``param_dtype``; at the root this replaces
-            ``cast_forward_inputs``. (Default: ``True``)
+            to ``param_dtype`` also when ``cast_forward_inputs`` is off (as
+            FSDP1 does). (Default: ``True``)
         _module_classes_to_ignore: with an ``auto_wrap_policy``, modules of
             these classes get their own wrapper with mixed precision disabled
             and run in float32. (Default: ``(_BatchNorm,)``)

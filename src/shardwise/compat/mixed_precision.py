@@ -4,9 +4,9 @@ Parameters and gradient reduction map one to one (``param_dtype``,
 ``reduce_dtype``; ``keep_low_precision_grads`` is a group setting). The rest
 is the wrapper's own, outside the engine:
 
-* forward inputs are cast by the wrapper's ``forward`` (root:
-  ``cast_root_forward_inputs``; others: ``cast_forward_inputs``), so the
-  engine's own input cast is off;
+* forward inputs are cast by the wrapper's ``forward`` (every wrapper:
+  ``cast_forward_inputs``; the root also: ``cast_root_forward_inputs``), so
+  the engine's own input cast is off;
 * buffers are cast to ``buffer_dtype`` once, when the root first runs, and
   state dicts save them in their original dtype;
 * with an auto-wrap policy, modules of ``_module_classes_to_ignore`` are

@@ -503,6 +503,12 @@ class FullyShardedDataParallel(nn.Module):
         state = state_of(self._fsdp_unit)
         return state.is_root if state is not None else None
 
+    @property
+    def _has_params(self) -> bool:
+        """Whether this wrapper manages parameters of its own (FSDP1: has a handle)."""
+        state = state_of(self._fsdp_unit)
+        return state is not None and bool(state.groups)
+
     def _lazy_init(self) -> None:
         """At the first forward: the engine makes the outermost wrapper's state
         the root (one root for both fronts), and every wrapper under it casts its
@@ -531,11 +537,17 @@ class FullyShardedDataParallel(nn.Module):
             t.module._buffers[t.attr] = buf.to(mp.buffer_dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module; the root casts inputs to ``param_dtype`` if
-        ``cast_root_forward_inputs``, other wrappers if ``cast_forward_inputs``."""
+        """Run the wrapped module; a wrapper with parameters of its own casts
+        inputs to ``param_dtype`` if ``cast_forward_inputs``, the root also if
+        ``cast_root_forward_inputs``, as FSDP1 does (its root pre-forward
+        casts, then every wrapper's pre-forward that has a flat parameter,
+        the root's included; its documentation says only that the root's
+        setting takes precedence)."""
         self._lazy_init()
         mp = self._mixed_precision
-        cast = mp is not None and (mp.cast_root_forward_inputs if self._is_root else mp.cast_forward_inputs)
+        cast = mp is not None and (
+            bool(self._is_root and mp.cast_root_forward_inputs) or (mp.cast_forward_inputs and self._has_params)
+        )
         if mp is not None and mp.param_dtype is not None and cast:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         return self._fsdp_wrapped_module(*args, **kwargs)
