@@ -159,6 +159,20 @@ def _export(value: Any, kind: StateDictType, offload: bool) -> Any:
     return value.cpu() if offload else value
 
 
+def _fsdp1_order(units: dict[str, int | None]) -> list[str]:
+    """The order of FSDP1's (``use_orig_params``) optimizer state: by name,
+    except that parameters no wrapper manages (ignored ones) come first, then
+    each wrapper's parameters together, wrappers in the order of their
+    first name. ``units``: each name's wrapper (any id), None if unmanaged."""
+    ordered = sorted(units)
+    by_unit: dict[int, list[str]] = {}
+    for name in ordered:
+        unit = units[name]
+        if unit is not None:
+            by_unit.setdefault(unit, []).append(name)
+    return [name for name in ordered if units[name] is None] + [n for names in by_unit.values() for n in names]
+
+
 def _to_named(
     model: nn.Module,
     optim: torch.optim.Optimizer,
@@ -169,8 +183,11 @@ def _to_named(
 ) -> dict[str, Any]:
     _check_osd(osd, "optim_state_dict")
     _ensure_sharded(model)
-    names = _index_to_name(model, _params_of(optim, None, model))
+    params = _params_of(optim, None, model)
+    names = _index_to_name(model, params)
+    unit_of = {id(sp.sharded_param): id(s) for s in states_under(model) for g in s.groups for sp in g.params}
     state: dict[str, Any] = {}
+    units: dict[str, int | None] = {}
     with torch.no_grad():
         for index in sorted(osd["state"]):  # the same order on every rank: gathers pair up
             if not isinstance(index, int) or not 0 <= index < len(names):
@@ -179,7 +196,8 @@ def _to_named(
                     "parameters; pass optim.state_dict() of this optimizer."
                 )
             state[names[index]] = {k: _export(v, kind, offload) for k, v in osd["state"][index].items()}
-    state = dict(sorted(state.items()))  # by name, as FSDP1 with use_orig_params; groups keep their order
+            units[names[index]] = unit_of.get(id(params[index]))
+    state = {name: state[name] for name in _fsdp1_order(units)}  # param_groups keep their order
     groups = []
     for g in osd["param_groups"]:
         entry = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
