@@ -411,6 +411,37 @@ def test_ignored_modules_like_pytorch():
     assert res[0] == res[1]
 
 
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@multi_rank(world_sizes=(3,))
+def test_clip_grad_norm_with_ignored_modules_like_pytorch(norm_type):
+    """An ignored module's gradients are never reduced, so they differ
+    between ranks. FSDP1 takes the max norm over every rank (each rank then
+    clips alike) and adds a p-norm's local part on each rank; ours returned
+    each rank's own max (found by a randomised differential fuzzer). Same
+    norms and clipped gradients as FSDP1 on every rank."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    got = {}
+    for name, lib, kw in (("sw", shardwise, {}),
+                          ("pt", tfsdp, {"use_orig_params": True, "device_id": torch.device("cpu")})):
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(2, 7), nn.Linear(7, 5))
+        m = lib.FullyShardedDataParallel(base, ignored_modules=[base[1]], **kw)
+        m(torch.randn(3, 2, generator=torch.Generator().manual_seed(dist.get_rank()))).pow(2).mean().backward()
+        norm = m.clip_grad_norm_(0.1, norm_type)
+        got[name] = (norm, [p.grad.clone() for p in base[1].parameters()])
+    torch.testing.assert_close(got["sw"][0], got["pt"][0], rtol=0, atol=0)
+    for a, b in zip(got["sw"][1], got["pt"][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if norm_type == math.inf:
+        every = [torch.zeros(()) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, got["sw"][0].reshape(()))
+        assert all(torch.equal(every[0], e) for e in every), every
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1, math.inf])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 @multi_rank(world_sizes=(2,))

@@ -660,7 +660,12 @@ class FullyShardedDataParallel(nn.Module):
         if local:
             part = torch.stack(local).max() if inf else (torch.stack(local) ** p).sum()
             total = torch.maximum(total, part) if inf else total + part
-        if not inf:
+        if inf:
+            # Gradients no wrapper reduces (ignored modules') differ between
+            # ranks: the max over the process group, as FSDP1 takes, so every
+            # rank clips alike. (A p-norm adds them locally, as FSDP1 does.)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self._plan.shard_group)
+        else:
             total = total ** (1.0 / p)
         if self._cpu_offload.offload_params:
             total = total.cpu()
