@@ -245,6 +245,30 @@ def test_sync_module_states_broadcasts_rank0_params_and_buffers():
 
 
 @multi_rank(world_sizes=(2,))
+def test_sync_module_states_broadcasts_ignored_modules_buffers_not_their_params():
+    """As FSDP1's sync (every buffer under the module, only managed
+    parameters; PyTorch cannot run it on CPU, so against its rule): an
+    ignored module's buffers take rank 0's values, its parameters stay
+    each rank's own."""
+    import torch.distributed as dist
+
+    from shardwise import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(dist.get_rank())
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[1].running_mean.fill_(float(dist.get_rank() + 1))
+    with torch.no_grad():
+        model[1].weight.fill_(float(dist.get_rank() + 2))
+    own_weight = model[1].weight.detach().clone()
+    FSDP(model, sync_module_states=True, ignored_modules=[model[1]], device_id=torch.device("cpu"))
+    assert torch.equal(model[1].running_mean, torch.ones(4))
+    assert torch.equal(model[1].weight.detach(), own_weight)
+    every = [torch.zeros(4) for _ in range(2)]
+    dist.all_gather(every, model[1].weight.detach())
+    assert not torch.equal(every[0], every[1])  # each rank kept its own
+
+
+@multi_rank(world_sizes=(2,))
 def test_ignored_modules_stay_local_and_unwrapped():
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor

@@ -228,8 +228,9 @@ def move_to_device(inner: nn.Module, ignored: Ignored, device: torch.device) -> 
 def sync_module_states(
     inner: nn.Module, ignored: Ignored, mesh: DeviceMesh
 ) -> None:
-    """Broadcast the first mesh rank's own parameters and buffers to every
-    rank of the mesh (over the shard group, then the replicate group)."""
+    """Broadcast the first mesh rank's own parameters and buffers, and the
+    buffers of ignored modules (as FSDP1 does), to every rank of the mesh
+    (over the shard group, then the replicate group)."""
     tensors: list[torch.Tensor] = []
     seen: set[int] = set()
     for t in own_tensors(inner, ignored, persistent_only=False):
@@ -244,6 +245,14 @@ def sync_module_states(
                 "materialised first."
             )
         tensors.append(value)
+    # FSDP1 broadcasts every buffer under the module, those of ignored modules
+    # too (not their parameters), in module order (the same on every rank).
+    for module in inner.modules():
+        if module in ignored.modules:
+            for buf in module._buffers.values():
+                if buf is not None and id(buf) not in seen and buf.device.type != "meta":
+                    seen.add(id(buf))
+                    tensors.append(buf)
     groups = [mesh.get_group(d) for d in reversed(range(mesh.ndim))]
     comm_device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     with torch.no_grad():
