@@ -411,6 +411,57 @@ def test_ignored_modules_like_pytorch():
     assert res[0] == res[1]
 
 
+@pytest.mark.parametrize("rank_dependent", [False, True])
+@multi_rank(world_sizes=(2,))
+def test_unused_parameters_get_zero_gradients_like_fsdp1(rank_dependent):
+    """FSDP1 reduces a unit's whole flat gradient: a trainable parameter its
+    forward did not use gets zeros, so AdamW steps it (weight decay moves
+    it). Ours left it None and never stepped it (found by a randomised
+    differential fuzzer). Also when only one rank leaves it unused. Bit for
+    bit FSDP1's over 3 steps; frozen parameters keep None."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused, self.frozen = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 4)
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x):
+            y = self.used(self.frozen(x))
+            if rank_dependent and dist.get_rank() == 1:
+                y = y + self.unused(x).sum()
+            return y
+
+    torch.manual_seed(0)
+    base = Net()
+    got = {}
+    for name, lib, kw in (("sw", shardwise, {}),
+                          ("pt", tfsdp, {"use_orig_params": True, "device_id": torch.device("cpu")})):
+        model = lib.FullyShardedDataParallel(copy.deepcopy(base), **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+        grads = []
+        for step in range(3):
+            model(torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * dist.get_rank() + step))).sum().backward()
+            with lib.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+                grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+                              if n.startswith(("used", "unused"))})
+            opt.step()
+            opt.zero_grad()
+        with lib.FullyShardedDataParallel.summon_full_params(model):
+            got[name] = (grads, {n: p.detach().clone() for n, p in model.named_parameters()})
+    for ours, theirs in zip(got["sw"][0], got["pt"][0]):
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[n], theirs[n]) for n in ours), (ours, theirs)
+    assert rank_dependent or not got["sw"][0][0]["unused.weight"].any()
+    assert got["sw"][1].keys() == got["pt"][1].keys()
+    for n in got["sw"][1]:
+        assert torch.equal(got["sw"][1][n], got["pt"][1][n]), n
+
+
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @multi_rank(world_sizes=(3,))
 def test_clip_grad_norm_with_ignored_modules_like_pytorch(norm_type):

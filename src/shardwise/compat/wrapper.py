@@ -388,6 +388,10 @@ class FullyShardedDataParallel(nn.Module):
             settings.prefetch_in_post_backward = self._backward_prefetch == BackwardPrefetch.BACKWARD_POST
         mp = self._mixed_precision
         settings.keep_low_precision_grads = bool(mp is not None and mp.keep_low_precision_grads)
+        # FSDP1 reduces a unit's whole flat gradient: a trainable parameter the
+        # forward did not use gets zeros (so the optimizer steps it) whenever
+        # any parameter of its unit got a gradient.
+        settings.reduce_scatter_unused_params = True
 
     # ---- plain accessors ---------------------------------------------------------------
     @property
