@@ -399,3 +399,40 @@ def _train_side_by_side_wrapped(models, steps, dim):
             full[k] = {n: p.detach().clone() for n, p in m.named_parameters()}
     assert full["torch"].keys() == full["shardwise"].keys()
     assert all(torch.equal(full["torch"][n], v) for n, v in full["shardwise"].items())
+
+
+@multi_rank(world_sizes=(1,))
+def test_world_size_one_holds_what_the_unsharded_model_holds():
+    """Measured (live tensor bytes, the memory tracker the planner is checked
+    against): on one rank a fully_shard GPT's peak is the unsharded model's,
+    with no unsharded-parameter bytes at all (before, the root's and one
+    block's parameters were held twice)."""
+    from shardwise import fully_shard
+    from shardwise.models import GPT, GPTConfig, synthetic_batch
+    from shardwise.planner.tracker import MemoryTracker
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=2)
+    peaks = {}
+    for name in ("local", "shardwise"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if name == "shardwise":
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = synthetic_batch(cfg, 2, seed=0, rank=0)
+        tracker = MemoryTracker(model, opt)
+        with tracker:
+            for _ in range(2):
+                with tracker.step():
+                    tracker.phase("forward")
+                    loss = GPT.loss(model(x), y)
+                    tracker.phase("backward")
+                    loss.backward()
+                    tracker.phase("optimizer")
+                    opt.step()
+                opt.zero_grad()
+        peaks[name] = tracker.result()
+    assert peaks["shardwise"].by_category["unsharded_params"] == 0, peaks["shardwise"].by_category
+    assert peaks["shardwise"].peak_bytes == peaks["local"].peak_bytes, (peaks["shardwise"].by_category, peaks["shardwise"].peak_at, peaks["local"].by_category, peaks["local"].peak_at)

@@ -446,16 +446,18 @@ class ParamGroup:
             return self._unsharded_locals
         if alias and self.flat_sharded is not None:
             buf = self.flat_sharded
-            base = int(buf.storage_offset())
-            offsets = [base + off for off in self.plan.flat.offsets[:-1]]
+            # Over the very storage each sharded parameter's local tensor has
+            # (its span of the flat buffer), so whoever counts storages (the
+            # memory tracker) sees one tensor's memory once.
+            places = [p.shard_place() for p in self.params]
         else:
             rel, total = self.plan.unsharded_offsets(dtype.itemsize)
             with torch.inference_mode(False):  # reused by later training steps
                 buf = torch.empty(total, dtype=dtype, device=self.device)
-            offsets = list(rel)
-        storage = buf.untyped_storage()
+            storage = buf.untyped_storage()
+            places = [(storage, off) for off in rel]
         self._unsharded_locals = [
-            p.ensure_unsharded(dtype, self.device, storage, off) for p, off in zip(self.params, offsets)
+            p.ensure_unsharded(dtype, self.device, storage, off) for p, (storage, off) in zip(self.params, places)
         ]
         self._unsharded_flat = buf
         return self._unsharded_locals
@@ -778,8 +780,29 @@ class ParamGroup:
                 bucket[0].append(p)
                 bucket[1].append(grad)
             for dtype, (bucket_params, bucket_grads) in buckets.items():
+                if self._grads_are_shards(bucket_grads, dtype):
+                    # [Note: one-rank groups alias their shards]: nothing to reduce
+                    for p, grad in zip(bucket_params, bucket_grads):
+                        p.shard_grad(grad)
+                    continue
                 self.ctx.drain(keep=self.ctx.max_pending)
                 self.ctx.pending.append(self._start_reduction(bucket_params, bucket_grads, dtype))
+
+    def _grads_are_shards(self, grads: list[torch.Tensor], dtype: torch.dtype) -> bool:
+        """Whether a one-rank group's reduction of ``grads`` in ``dtype`` would
+        be the gradients themselves, copied: our own reduce-scatter over one
+        rank, no replicas to all-reduce over, no hook, no division, no cast,
+        no offload. Then each gradient is installed as its shard as it is."""
+        settings = self.settings
+        return (
+            self.plan.flat.num_shards == 1 and self.plan.flat.dim0
+            and self.info.replicate_group is None and settings.all_reduce_hook is None
+            and not coll.communicates(settings.reduce_scatter_comm, self._reduce_scatter_group or self.info.shard_group)
+            and self._divide_factors(dtype) == (1.0, 1.0)
+            and self.storage_device == self.device
+            and not (settings.keep_low_precision_grads and settings.mp.param_dtype is not None)
+            and all(g.dtype == dtype and g.is_contiguous() for g in grads)
+        )
 
     def _divide_factors(self, dtype: torch.dtype) -> tuple[float, float]:
         factor = float(self.settings.gradient_divide_factor or self.info.dp_size)

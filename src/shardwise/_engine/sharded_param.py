@@ -334,6 +334,13 @@ class ShardedParam:
             and (local is self._adopted_local if local.numel() == 0 else _same_memory(local, self.sharded_data))
         )
 
+    def shard_place(self) -> tuple[torch.UntypedStorage, int]:
+        """The storage and element offset of this rank's local shard (the
+        sharded parameter's local tensor, a storage of its own over the flat
+        buffer's memory, see [Note: shards with a storage of their own])."""
+        local = self._adopted_local if self._adopted_local is not None else self.sharded_data
+        return local.untyped_storage(), int(local.storage_offset())
+
     def _parametrized_away(self, current: object) -> bool:
         """Whether a parametrization registered after fully_shard moved the
         sharded parameter off its module (``current``: what is registered)."""
