@@ -410,6 +410,7 @@ def test_world_size_one_holds_what_the_unsharded_model_holds():
     from shardwise import fully_shard
     from shardwise.models import GPT, GPTConfig, synthetic_batch
     from shardwise.planner.tracker import MemoryTracker
+    from shardwise.train.step import training_step
 
     cfg = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=2)
     peaks = {}
@@ -426,12 +427,8 @@ def test_world_size_one_holds_what_the_unsharded_model_holds():
         with tracker:
             for _ in range(2):
                 with tracker.step():
-                    tracker.phase("forward")
-                    loss = GPT.loss(model(x), y)
-                    tracker.phase("backward")
-                    loss.backward()
-                    tracker.phase("optimizer")
-                    opt.step()
+                    training_step(model, model, opt, lambda: (x, y), grad_accum=1, grad_clip=0.0, lr=1e-3,
+                                  on_phase=tracker.phase)
                 opt.zero_grad()
         peaks[name] = tracker.result()
     assert peaks["shardwise"].by_category["unsharded_params"] == 0, peaks["shardwise"].by_category
