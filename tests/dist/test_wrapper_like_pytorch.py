@@ -1371,3 +1371,55 @@ def test_optimizer_state_dict_key_order_like_pytorch(kind):
             [g["params"] for g in osd["param_groups"]],
         )
     assert structure["sw"] == structure["pt"]
+
+
+# MixedPrecision(buffer_dtype=...): FSDP1 saves buffers in their original
+# dtype only from a wrapper that has parameters of its own (its state-dict
+# hook returns early without one), so when every parameter sits in nested
+# wrappers the root's buffers are saved in buffer_dtype. Found by a
+# randomised differential fuzzer (a size-based policy wraps every Linear).
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+@pytest.mark.parametrize("wrap", ["none", "size", "module"])
+@multi_rank(world_sizes=(2,))
+def test_buffer_dtype_in_state_dicts_like_fsdp1(wrap, kind):
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.blocks, self.out = nn.Linear(3, 4), nn.ModuleList([Blk(), Blk()]), nn.Linear(4, 6)
+            self.register_buffer("rb", torch.ones(4))
+
+        def forward(self, x):
+            x = self.inp(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.out(x * self.rb)
+
+    got = {}
+    for name, lib, w, kw in (("sw", shardwise, swrap, {}),
+                             ("pt", tfsdp, twrap, {"use_orig_params": True, "device_id": torch.device("cpu")})):
+        torch.manual_seed(0)
+        policy = {"none": None, "size": functools.partial(w.size_based_auto_wrap_policy, min_num_params=5),
+                  "module": w.ModuleWrapPolicy({Blk})}[wrap]
+        m = lib.FullyShardedDataParallel(Net(), auto_wrap_policy=policy,
+                                         mixed_precision=lib.MixedPrecision(buffer_dtype=torch.bfloat16), **kw)
+        m(torch.randn(2, 3, generator=torch.Generator().manual_seed(dist.get_rank()))).sum().backward()
+        sd_type = lib.StateDictType.FULL_STATE_DICT if kind == "full" else lib.StateDictType.SHARDED_STATE_DICT
+        with lib.FullyShardedDataParallel.state_dict_type(m, sd_type):
+            got[name] = {k: v.dtype for k, v in m.state_dict().items() if "scale" in k or k == "rb"}
+    assert got["sw"] == got["pt"], got

@@ -263,7 +263,9 @@ def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
             if t is not None and isinstance(value, torch.Tensor):
                 source = id(_current(t))
                 if source not in converted:
-                    orig = None if t.is_param else wrapper._buffer_dtypes.get(clean_fqn(rest))
+                    # Buffers get their original dtype back only from a wrapper with
+                    # parameters of its own, as FSDP1's hook returns early without.
+                    orig = None if t.is_param or wrapper._group is None else wrapper._buffer_dtypes.get(clean_fqn(rest))
                     converted[source] = _save_value(kind, cfg, value, orig)
                 value = converted[source]
             if not drop:
