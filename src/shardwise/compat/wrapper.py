@@ -507,12 +507,6 @@ class FullyShardedDataParallel(nn.Module):
         state = state_of(self._fsdp_unit)
         return state.is_root if state is not None else None
 
-    @property
-    def _has_params(self) -> bool:
-        """Whether this wrapper manages parameters of its own (FSDP1: has a handle)."""
-        state = state_of(self._fsdp_unit)
-        return state is not None and bool(state.groups)
-
     def _lazy_init(self) -> None:
         """At the first forward: the engine makes the outermost wrapper's state
         the root (one root for both fronts), and every wrapper under it casts its
@@ -550,7 +544,7 @@ class FullyShardedDataParallel(nn.Module):
         self._lazy_init()
         mp = self._mixed_precision
         cast = mp is not None and (
-            bool(self._is_root and mp.cast_root_forward_inputs) or (mp.cast_forward_inputs and self._has_params)
+            bool(self._is_root and mp.cast_root_forward_inputs) or (mp.cast_forward_inputs and self._group is not None)
         )
         if mp is not None and mp.param_dtype is not None and cast:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
