@@ -795,7 +795,7 @@ class ParamGroup:
         no offload. Then each gradient is installed as its shard as it is."""
         settings = self.settings
         return (
-            self.plan.flat.num_shards == 1 and self.plan.flat.dim0
+            self.plan.whole
             and self.info.replicate_group is None and settings.all_reduce_hook is None
             and not coll.communicates(settings.reduce_scatter_comm, self._reduce_scatter_group or self.info.shard_group)
             and self._divide_factors(dtype) == (1.0, 1.0)

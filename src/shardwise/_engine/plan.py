@@ -62,16 +62,20 @@ class GroupPlan:
             cached = self._full_offsets[itemsize] = (offsets, acc)
         return cached
 
+    @property
+    def whole(self) -> bool:
+        """Whether each shard is its whole parameter (one shard each, on dim 0)."""
+        return self.flat.num_shards == 1 and self.flat.dim0
+
     def whole_and_aligned(self, itemsize: int) -> bool:
-        """Whether each shard is its whole parameter (one shard each, on dim 0)
-        and each starts 16 bytes aligned in the flat buffer, for elements of
-        ``itemsize`` bytes: the unsharded parameters may then be the shards
-        ([Note: one-rank groups alias their shards])."""
+        """Whether the shards are ``whole`` and each starts 16 bytes aligned in
+        the flat buffer, for elements of ``itemsize`` bytes: the unsharded
+        parameters may then be the shards ([Note: one-rank groups alias
+        their shards])."""
         ok = self._aligned.get(itemsize)
         if ok is None:
-            flat = self.flat
-            ok = self._aligned[itemsize] = flat.num_shards == 1 and flat.dim0 and all(
-                off * itemsize % 16 == 0 for off in flat.offsets[:-1]
+            ok = self._aligned[itemsize] = self.whole and all(
+                off * itemsize % 16 == 0 for off in self.flat.offsets[:-1]
             )
         return ok
 
