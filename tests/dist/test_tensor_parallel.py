@@ -414,6 +414,47 @@ def test_bf16_mixed_precision_with_tensor_parallel(kind):
     _assert_dicts_close(runs["shardwise"][1][0], ref_grads[0], "step 0 grad (bf16 vs fp32)", **bf16_tol)
 
 
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+@multi_rank(world_sizes=(4,))
+def test_gradient_accumulation_with_sequence_parallel_like_pytorch(param_dtype):
+    """Two micro-batches a step, gradient sync off for the first, on the
+    sequence-parallel model (its norms' gradients come out Partial over tp).
+    PyTorch keeps each micro-batch's gradient Partial, accumulates it (in
+    ``reduce_dtype`` under mixed precision) and all-reduces the sum over tp
+    once, at the synchronising backward: equal bit for bit here. (Before,
+    each micro-batch's gradient was all-reduced over tp on its own, in bf16
+    under mixed precision, then accumulated.)"""
+    from fsdp_reference import _mp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ref = _make("sp")
+    kw = {}
+    if param_dtype is not None:
+        kw = dict(zip(("shardwise", "torch"), _mp(param_dtype=param_dtype, reduce_dtype=torch.float32)))
+    runs = {}
+    for lib in ("shardwise", "torch"):
+        model = _build(lib, ref, mesh["tp"], mesh["dp"], "sp", **({"mp_policy": kw[lib]} if kw else {}))
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses, grads = [], []
+        for step in range(STEPS):
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                loss = _loss(model(_local_input(2 * step + micro, mesh["dp"], mesh["tp"], "sp")))
+                loss.backward()
+                losses.append(loss.detach().clone())
+            grads.append(_snapshot(model)[1])
+            opt.step()
+            opt.zero_grad()
+        runs[lib] = losses, grads, _snapshot(model)[0]
+    sw, pt = runs["shardwise"], runs["torch"]
+    assert all(torch.equal(a, b) for a, b in zip(sw[0], pt[0]))
+    for step in range(STEPS):
+        assert sw[1][step].keys() == pt[1][step].keys()
+        for name, grad in pt[1][step].items():
+            assert torch.equal(sw[1][step][name], grad), (step, name, (sw[1][step][name] - grad).abs().max())
+    assert all(torch.equal(sw[2][n], pt[2][n]) for n in pt[2])
+
+
 # ---------------------------------------------------------------------------
 # 5. Checkpoints reshard across (dp, tp) layouts
 

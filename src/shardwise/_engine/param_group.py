@@ -739,14 +739,16 @@ class ParamGroup:
                 # A gradient is reduced even if its parameter was frozen since
                 # it was computed (mid-accumulation), as the unsharded model keeps it.
                 grad = up.grad
-                if grad is not None:
-                    if grad.layout != torch.strided:
-                        raise UnsupportedError(
-                            f"{p.fqn} got a {grad.layout} gradient; fully_shard reduce-scatters dense "
-                            "gradients only (as PyTorch's does). Use nn.Embedding(..., sparse=False), or "
-                            "keep that module out of fully_shard (ignored_params)."
-                        )
-                    grad = p.grad_local(grad)
+                if grad is not None and grad.layout != torch.strided:
+                    raise UnsupportedError(
+                        f"{p.fqn} got a {grad.layout} gradient; fully_shard reduce-scatters dense "
+                        "gradients only (as PyTorch's does). Use nn.Embedding(..., sparse=False), or "
+                        "keep that module out of fully_shard (ignored_params)."
+                    )
+                # Accumulation happens on the gradient as autograd made it: a
+                # TP gradient stays a DTensor (Partial over tp for sequence
+                # parallel) and is brought to its parameter's placements once,
+                # when reduced, as PyTorch's FSDP does (and in reduce_dtype).
                 if not sync:
                     if grad is not None and rd is not None and grad.dtype != rd:
                         acc = p.unsharded_accumulated_grad
@@ -757,6 +759,8 @@ class ParamGroup:
                 if acc is not None:
                     grad = acc if grad is None else acc.add_(grad)
                     p.unsharded_accumulated_grad = None
+                if grad is not None:
+                    grad = p.grad_local(grad)
                 if grad is None and settings.reduce_scatter_unused_params and p.requires_grad:
                     grad = torch.zeros(p.full_shape, dtype=up.dtype, device=self.device)
                 if grad is None:
