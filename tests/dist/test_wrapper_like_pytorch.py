@@ -1423,3 +1423,57 @@ def test_buffer_dtype_in_state_dicts_like_fsdp1(wrap, kind):
         with lib.FullyShardedDataParallel.state_dict_type(m, sd_type):
             got[name] = {k: v.dtype for k, v in m.state_dict().items() if "scale" in k or k == "rb"}
     assert got["sw"] == got["pt"], got
+
+
+def _grads_and_params_like_fsdp1(strategy, micro_batches, steps=2, **kw):
+    """(shardwise, PyTorch) FSDP1 wrappers of ``_base()`` trained side by side,
+    ``micro_batches`` a step (all but the last under ``no_sync``): per step the
+    full gradients (``summon_full_params(with_grads=True)``), then the full
+    parameters."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    out = {}
+    for name, lib in (("sw", shardwise), ("pt", tfsdp)):
+        extra = {"device_id": torch.device("cpu")} if lib is tfsdp else {}
+        mp = kw.get("mixed_precision")
+        model = lib.FullyShardedDataParallel(
+            _base(), sharding_strategy=getattr(lib.ShardingStrategy, strategy), use_orig_params=True,
+            mixed_precision=mp and lib.MixedPrecision(**mp), **extra,
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen = []
+        for step in range(steps):
+            for micro in range(micro_batches):
+                g = torch.Generator().manual_seed(100 * step + 10 * micro + dist.get_rank())
+                x = torch.randn(4, 8, generator=g)
+                if micro < micro_batches - 1:
+                    with model.no_sync():
+                        model(x).float().pow(2).mean().backward()
+                else:
+                    model(x).float().pow(2).mean().backward()
+            with lib.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+                seen.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+        with lib.FullyShardedDataParallel.summon_full_params(model):
+            seen.append([p.detach().clone() for p in model.parameters()])
+        out[name] = seen
+    return out["sw"], out["pt"]
+
+
+# Inside no_sync FSDP1 leaves each micro-batch's gradient to autograd, which
+# accumulates it in the compute dtype (bf16 under mixed precision), and casts
+# the sum to reduce_dtype at the synchronising backward; fully_shard
+# accumulates in reduce_dtype. Found by a randomised differential fuzzer.
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@multi_rank(world_sizes=(2,))
+def test_no_sync_accumulation_under_mixed_precision_like_fsdp1(strategy):
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    ours, theirs = _grads_and_params_like_fsdp1(strategy, micro_batches=3, mixed_precision=mp)
+    for a, b in zip(ours, theirs):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), [
+            (x - y).abs().max().item() for x, y in zip(a, b)
+        ]

@@ -409,3 +409,16 @@ def test_torch_fsdp_submodules_have_a_shardwise_twin(sub):
 
         for name in names:
             assert getattr(ours, name) is getattr(shardwise, name), name
+
+
+def test_wrapper_divides_gradients_around_the_sum_as_fsdp1():
+    """FSDP1 divides gradients by its pre-divide factor before the sum and by
+    the rest after, in every dtype: the wrapper's split is PyTorch's own rule
+    at every world size (it differs from fully_shard's fp16 split at six)."""
+    from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
+
+    from shardwise._engine.plan import fsdp1_predivide
+
+    for world in range(1, 130):
+        assert fsdp1_predivide(float(world)) == DefaultState._get_gradient_predivide_factor(world), world
+    assert fsdp1_predivide(6.0) == 4.0

@@ -750,7 +750,7 @@ class ParamGroup:
                 # parallel) and is brought to its parameter's placements once,
                 # when reduced, as PyTorch's FSDP does (and in reduce_dtype).
                 if not sync:
-                    if grad is not None and rd is not None and grad.dtype != rd:
+                    if grad is not None and rd is not None and grad.dtype != rd and settings.accumulate_in_reduce_dtype:
                         acc = p.unsharded_accumulated_grad
                         p.unsharded_accumulated_grad = grad.to(rd) if acc is None else acc.add_(grad)
                         up.grad = None
@@ -809,8 +809,10 @@ class ParamGroup:
         )
 
     def _divide_factors(self, dtype: torch.dtype) -> tuple[float, float]:
-        factor = float(self.settings.gradient_divide_factor or self.info.dp_size)
-        return self.plan.divide_factors(dtype, factor)
+        settings = self.settings
+        custom = settings.gradient_divide_factor
+        factor = float(custom or self.info.dp_size)
+        return self.plan.divide_factors(dtype, factor, settings.fsdp1_divide and custom is None)
 
     def _start_reduction(
         self, params: list[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype

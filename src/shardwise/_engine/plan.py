@@ -34,7 +34,7 @@ class GroupPlan:
         self._subsets: dict[tuple[int, ...], FlatLayout] = {}
         self._full_numels = [p.full_shape.numel() for p in params]
         self._full_offsets: dict[int, tuple[list[int], int]] = {}
-        self._factors: dict[tuple[torch.dtype, float], tuple[float, float]] = {}
+        self._factors: dict[tuple[torch.dtype, float, bool], tuple[float, float]] = {}
         self._aligned: dict[int, bool] = {}
 
     def flat_of(self, params: Sequence[ShardedParam]) -> FlatLayout:
@@ -79,14 +79,21 @@ class GroupPlan:
             )
         return ok
 
-    def divide_factors(self, dtype: torch.dtype, factor: float) -> tuple[float, float]:
+    def divide_factors(self, dtype: torch.dtype, factor: float, fsdp1: bool = False) -> tuple[float, float]:
         """``(before, after)`` the sum: dividing a reduction of ``dtype`` by
-        ``factor``. Low precision splits the division around the sum against
-        overflow and underflow (as PyTorch does); otherwise all of it after."""
-        key = (dtype, factor)
+        ``factor``. ``fully_shard`` (as PyTorch's) splits the division around
+        the sum only in low precision, against overflow and underflow, and
+        divides fp32 after it. ``fsdp1``: FSDP1's split in every dtype
+        (``fsdp1_predivide`` before, the rest after). Powers of two divide
+        exactly, so the split decides bits only near overflow and underflow
+        (at six ranks fully_shard's fp16 split is 2 and 3, FSDP1's 4 and 1.5)."""
+        key = (dtype, factor, fsdp1)
         cached = self._factors.get(key)
         if cached is None:
-            if dtype.itemsize >= 4 or factor <= 1:
+            if fsdp1:
+                pre = fsdp1_predivide(factor)
+                cached = (pre, factor / pre)
+            elif dtype.itemsize >= 4 or factor <= 1:
                 cached = (1.0, factor)
             else:
                 pre = 2.0 ** round(math.log2(math.sqrt(factor)))
@@ -95,4 +102,14 @@ class GroupPlan:
         return cached
 
 
-__all__ = ["GroupPlan"]
+def fsdp1_predivide(factor: float) -> float:
+    """FSDP1's division before the sum, for a division by ``factor``: the
+    power of two reached by doubling from 1 while it divides ``factor`` and
+    stays below ``factor`` over it (2 at two to four ranks, 4 at six)."""
+    pre = 1.0
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return pre
+
+
+__all__ = ["GroupPlan", "fsdp1_predivide"]

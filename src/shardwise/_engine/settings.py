@@ -42,6 +42,9 @@ class GroupSettings:
     register_sharded_when_idle: bool = False
     # Divide reduced gradients by this instead of the data-parallel size.
     gradient_divide_factor: float | None = None
+    # Split the division around the sum as FSDP1 does, in every dtype (see
+    # GroupPlan.divide_factors); off: fully_shard's split.
+    fsdp1_divide: bool = False
     # Called on the reduced gradient buffer before gradients are installed.
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
     # Replaces the replicate all-reduce (HSDP / NO_SHARD), e.g. a comm hook;
@@ -57,6 +60,10 @@ class GroupSettings:
     prefetch_in_post_backward: bool = False
     # Install reduced gradients in param_dtype (FSDP1's keep_low_precision_grads).
     keep_low_precision_grads: bool = False
+    # With sync off and a reduce dtype other than the gradients', accumulate
+    # them in the reduce dtype (fully_shard's); off: as autograd made them, in
+    # the compute dtype, cast when reduced (FSDP1's flat gradient).
+    accumulate_in_reduce_dtype: bool = True
     # Reduce zeros for trainable parameters without a gradient this backward.
     reduce_scatter_unused_params: bool = False
     # Groups of several dtypes: one all-gather per dtype instead of one packed

@@ -392,6 +392,9 @@ class FullyShardedDataParallel(nn.Module):
         # forward did not use gets zeros (so the optimizer steps it) whenever
         # any parameter of its unit got a gradient.
         settings.reduce_scatter_unused_params = True
+        # FSDP1's division around the sum, and its accumulation in no_sync.
+        settings.fsdp1_divide = True
+        settings.accumulate_in_reduce_dtype = False
 
     # ---- plain accessors ---------------------------------------------------------------
     @property
