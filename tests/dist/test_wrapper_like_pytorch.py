@@ -1477,3 +1477,46 @@ def test_no_sync_accumulation_under_mixed_precision_like_fsdp1(strategy):
         assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), [
             (x - y).abs().max().item() for x, y in zip(a, b)
         ]
+
+
+# FSDP1's clip: under NO_SHARD everywhere, torch.nn.utils.clip_grad_norm_
+# itself; otherwise each gradient's fp32 norm, the norm of those norms per
+# kind (sharded: combined over the group; NO_SHARD units' and unmanaged
+# ones': locally), in FSDP1's order. Bit for bit where the elements each
+# rank holds are the same: always under NO_SHARD, and for sharded units of
+# one weight whose rows divide evenly (FSDP1's flat shard is then our dim-0
+# chunk; elsewhere the two layouts sum different elements per rank). Found
+# by a randomised differential fuzzer (a last-bit difference of the norm).
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@multi_rank(world_sizes=(2,))
+def test_clip_grad_norm_bit_for_bit_like_fsdp1(strategy, norm_type):
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False), nn.Tanh(),
+                         nn.Linear(16, 4, bias=False))
+    got = {}
+    for name, lib, w in (("sw", shardwise, swrap), ("pt", tfsdp, twrap)):
+        extra = {"device_id": torch.device("cpu")} if lib is tfsdp else {}
+        model = lib.FullyShardedDataParallel(
+            copy.deepcopy(base), auto_wrap_policy=w.ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
+            sharding_strategy=getattr(lib.ShardingStrategy, strategy), **extra,
+        )
+        totals, grads = [], []
+        for step in range(8):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            model(x).pow(2).sum().backward()
+            totals.append(model.clip_grad_norm_(0.5 + step, norm_type))
+            with lib.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+                grads.append([q.grad.clone() for q in model.parameters()])
+            model.zero_grad()
+        got[name] = totals, grads
+    (ta, ga), (tb, gb) = got["sw"], got["pt"]
+    assert all(torch.equal(a, b) for a, b in zip(ta, tb)), (ta, tb)
+    assert all(torch.equal(a, b) for sa, sb in zip(ga, gb) for a, b in zip(sa, sb))

@@ -122,6 +122,29 @@ def _wrappers_under(module: nn.Module) -> list[FullyShardedDataParallel]:
     return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_group_of(grad: torch.Tensor) -> dist.ProcessGroup | None:
+    """The group a gradient is sharded over (its first mesh dimension of more
+    than one rank with a Shard placement), or None: held whole here."""
+    if isinstance(grad, DTensor):
+        for i, pl in enumerate(grad.placements):
+            if isinstance(pl, Shard) and grad.device_mesh.size(i) > 1:
+                return grad.device_mesh.get_group(i)
+    return None
+
+
+def _scale(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, cast: bool) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total + 1e-6))``, the
+    factor cast to each gradient's dtype (FSDP1's sharded clip) or not
+    (``torch.nn.utils.clip_grad_norm_``'s)."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype) if cast else coef.to(g.device))
+
+
 class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks
     (the API of PyTorch's FSDP1 ``FullyShardedDataParallel``).
@@ -630,37 +653,61 @@ class FullyShardedDataParallel(nn.Module):
             norm_type: the p of the p-norm; ``math.inf`` for the max norm. (Default: ``2.0``)
         """
         self._require_root("clip_grad_norm_()")
+        wrappers = [w for w in _wrappers_under(self) if w._group is not None]
+        if all(w._plan.strategy == ShardingStrategy.NO_SHARD for w in wrappers):
+            # As FSDP1: nothing sharded, so PyTorch's own clip over every
+            # gradient (each rank holds them whole).
+            grads = [_local(g) for q in self.parameters() if (g := q.grad) is not None]
+            total = torch.nn.utils.get_total_norm(grads, norm_type)
+            _scale(grads, max_norm, total, cast=False)
+            return total
         max_norm, p = float(max_norm), float(norm_type)
         device = self._compute_device
         inf = math.isinf(p)
-        # Sharded gradients: per shard group, reduce the local p-th powers (or maxima).
-        per_group: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+        # FSDP1's order and arithmetic: each wrapper's parameters (wrappers in
+        # module order, a wrapper's own in module order), split into sharded
+        # ones (norms combined over the shard group) and the rest (NO_SHARD
+        # units', then those no wrapper manages: combined locally). A
+        # gradient's norm is taken in fp32, a list's as the norm of its norms.
+        order = {id(q): i for i, q in enumerate(self.parameters())}
+        sharded: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {
+            id(self._plan.shard_group): (self._plan.shard_group, [])
+        }
         local: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        for param in self.parameters():
-            g = param.grad
-            if g is None:
-                continue
-            grads.append(g)
-            if isinstance(g, DTensor):
-                t = g.to_local()
-                dims = [i for i, pl in enumerate(g.placements) if isinstance(pl, Shard) and g.device_mesh.size(i) > 1]
-                norm = torch.linalg.vector_norm(t.float(), p).to(device) if t.numel() else torch.zeros((), device=device)
-                if dims:
-                    group = g.device_mesh.get_group(dims[0])
-                    per_group.setdefault(id(group), (group, []))[1].append(norm)
+        seen: set[int] = set()
+        for w in wrappers:
+            managed = [sp.sharded_param for sp in w._group.params] if w._group is not None else []
+            for q in sorted(managed, key=lambda q: order.get(id(q), -1)):
+                seen.add(id(q))
+                g = q.grad
+                if g is None:
                     continue
-                local.append(norm)
-            else:
-                local.append(torch.linalg.vector_norm(g.float(), p).to(device))
+                t = _local(g)
+                if not t.numel():
+                    continue  # no elements here: FSDP1 shows no gradient
+                norm = torch.linalg.vector_norm(t.detach(), p, dtype=torch.float32)
+                group = _shard_group_of(g)
+                if group is None:
+                    local.append(norm)
+                else:
+                    sharded.setdefault(id(group), (group, []))[1].append(norm)
+        grads = [g for q in self.parameters() if (g := q.grad) is not None]
+        local += [
+            torch.linalg.vector_norm(_local(q.grad).detach(), p, dtype=torch.float32)
+            for q in self.parameters() if id(q) not in seen and q.grad is not None
+        ]
         total = torch.zeros((), device=device)
-        for group, norms in per_group.values():
-            part = torch.stack(norms).max() if inf else (torch.stack(norms) ** p).sum()
+        for i, (group, norms) in enumerate(sharded.values()):
+            if norms:
+                part = torch.linalg.vector_norm(torch.stack(norms), p, dtype=torch.float32).to(device)
+            else:
+                part = torch.zeros((), device=device)
+            part = part if inf else part**p
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-            total = torch.maximum(total, part) if inf else total + part
+            total = part if i == 0 else torch.maximum(total, part) if inf else total + part
         if local:
-            part = torch.stack(local).max() if inf else (torch.stack(local) ** p).sum()
-            total = torch.maximum(total, part) if inf else total + part
+            part = torch.linalg.vector_norm(torch.stack(local), p, dtype=torch.float32).to(device)
+            total = torch.maximum(total, part) if inf else total + part**p
         if inf:
             # Gradients no wrapper reduces (ignored modules') differ between
             # ranks: the max over the process group, as FSDP1 takes, so every
@@ -670,9 +717,7 @@ class FullyShardedDataParallel(nn.Module):
             total = total ** (1.0 / p)
         if self._cpu_offload.offload_params:
             total = total.cpu()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device, g.dtype))
+        _scale([_local(g) for g in grads], max_norm, total, cast=True)
         if not grads:
             warnings.warn(
                 f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank()} with no gradients -- returning "
