@@ -197,6 +197,42 @@ def test_inference_mode_forward_then_train():
     _assert_grads_equal(a, ref)
 
 
+# The same with a parameter whose shard is empty on one rank (2 rows, 3
+# ranks). Found by a randomised differential fuzzer: that rank alone took
+# the empty shard for a replaced one at the first forward and laid out the
+# group's shards anew, under inference_mode as inference tensors, so a later
+# in-place write (set_model_state_dict broadcasting from rank 0) failed on
+# that rank only and the others waited for it.
+@multi_rank(world_sizes=(3,))
+def test_inference_mode_first_forward_with_an_empty_shard():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    import shardwise
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 8))
+    ref = copy.deepcopy(model)
+    shardwise.fully_shard(model, reshard_after_forward=True)
+    def places():
+        return [(t.untyped_storage().data_ptr(), t.storage_offset()) for p in model.parameters()
+                if (t := p.to_local()).numel()]
+
+    before = places()
+    with torch.inference_mode():
+        torch.testing.assert_close(model(_x(5)), ref(_x(5)))
+    assert not any(p.to_local().is_inference() for p in model.parameters())
+    assert places() == before  # the shards laid out at fully_shard, kept
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))  # the same on every rank
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(x).sum().backward()
+        o.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), msg=name)
+
+
 # no_grad eval forward, then training; registered parameter types after eval.
 @multi_rank(world_sizes=(2,))
 def test_no_grad_eval_then_train_param_types():

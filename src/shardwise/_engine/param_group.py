@@ -329,7 +329,8 @@ class ParamGroup:
         dev = devices.pop()
         if dev.type != "meta":
             self.storage_device = dev
-        self._init_storage(sources)
+        with torch.inference_mode(False):  # the shards outlive a forward under inference_mode
+            self._init_storage(sources)
 
     # ---- unshard / reshard ----------------------------------------------------
     @property

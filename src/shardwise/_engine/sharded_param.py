@@ -296,6 +296,9 @@ class ShardedParam:
             current._local_tensor = local
         else:
             self.sharded_param = nn.Parameter(self._as_dtensor(local), requires_grad=self._initial_requires_grad)
+            # (nn.Parameter detaches: its local tensor is another object over
+            # the same memory, the one an empty shard is recognised by.)
+            self._adopted_local = local_of(self.sharded_param)
         self.register_sharded()
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
