@@ -1520,3 +1520,41 @@ def test_clip_grad_norm_bit_for_bit_like_fsdp1(strategy, norm_type):
     (ta, ga), (tb, gb) = got["sw"], got["pt"]
     assert all(torch.equal(a, b) for a, b in zip(ta, tb)), (ta, tb)
     assert all(torch.equal(a, b) for sa, sb in zip(ga, gb) for a, b in zip(sa, sb))
+
+
+# FSDP1 registers a parameter its unit holds in several places again at
+# every place after the first, so a tied head's weight comes after its bias
+# there, in the module's parameters (use_orig_params) and in state dicts.
+# Found by a randomised differential fuzzer (GPT-J with tied embeddings).
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@multi_rank(world_sizes=(2,))
+def test_tied_parameter_order_like_fsdp1(use_orig_params):
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid, self.head = nn.Embedding(6, 4), nn.Linear(4, 4), nn.Linear(4, 6)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.mid(self.emb(x)))
+
+    seen = {}
+    for name, lib, kw in (("sw", shardwise, {}), ("pt", tfsdp, {"device_id": torch.device("cpu")})):
+        torch.manual_seed(0)
+        model = lib.FullyShardedDataParallel(Tied(), use_orig_params=use_orig_params, **kw)
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+        keys = []
+        for kind in (lib.StateDictType.FULL_STATE_DICT, lib.StateDictType.SHARDED_STATE_DICT):
+            with lib.FullyShardedDataParallel.state_dict_type(model, kind):
+                keys.append(list(model.state_dict()))
+        with lib.FullyShardedDataParallel.summon_full_params(model):
+            keys.append(list(model.module.head._parameters))
+        if use_orig_params:
+            keys.append(list(model.module.head._parameters))
+        seen[name] = keys
+    assert seen["sw"] == seen["pt"]
+    assert seen["pt"][0][-2:] == ["head.bias", "head.weight"]

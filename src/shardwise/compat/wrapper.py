@@ -315,6 +315,15 @@ class FullyShardedDataParallel(nn.Module):
             ignored_params=ignored.params,
         )
         self._fsdp_wrapped_module = module
+        # As FSDP1: a parameter the unit holds in several places is registered
+        # again at every place after its first, so there it comes after its
+        # module's other parameters (state dicts list a tied head's weight
+        # after its bias).
+        unit = state_of(module)
+        for group in unit.groups if unit is not None else ():
+            for sp in group.params:
+                for owner, name in sp.owners[1:]:
+                    owner._parameters[name] = owner._parameters.pop(name)
         # The module sharded, kept outside _modules: what sits under
         # _fsdp_wrapped_module may be replaced (apply_activation_checkpointing
         # after wrapping puts a CheckpointWrapper there), the engine state stays here.
