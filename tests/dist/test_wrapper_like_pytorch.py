@@ -1558,3 +1558,37 @@ def test_tied_parameter_order_like_fsdp1(use_orig_params):
         seen[name] = keys
     assert seen["sw"] == seen["pt"]
     assert seen["pt"][0][-2:] == ["head.bias", "head.weight"]
+
+
+# FSDP1 at world size 1 warns and uses NO_SHARD instead of FULL_SHARD or
+# SHARD_GRAD_OP (nothing to shard); its clip is then PyTorch's own.
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@multi_rank(world_sizes=(1,))
+def test_world_size_one_uses_no_shard_like_fsdp1(strategy):
+    import warnings
+
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    got = {}
+    for name, lib, kw in (("sw", shardwise, {}), ("pt", tfsdp, {"device_id": torch.device("cpu")})):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = lib.FullyShardedDataParallel(
+                _base(), sharding_strategy=getattr(lib.ShardingStrategy, strategy), use_orig_params=True, **kw
+            )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        totals = []
+        for step in range(4):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+            totals.append(model.clip_grad_norm_(1.0))
+            opt.step()
+            opt.zero_grad()
+        with lib.FullyShardedDataParallel.summon_full_params(model):
+            params = [q.detach().clone() for q in model.parameters()]
+        got[name] = ([str(w.message) for w in caught if "switching" in str(w.message)],
+                     model.sharding_strategy.name, totals, params)
+    (wa, sa, ta, pa), (wb, sb, tb, pb) = got["sw"], got["pt"]
+    assert wa == wb and len(wb) == 1 and sa == sb == "NO_SHARD"
+    assert all(torch.equal(a, b) for a, b in zip(ta, tb)) and all(torch.equal(a, b) for a, b in zip(pa, pb))

@@ -258,6 +258,16 @@ class FullyShardedDataParallel(nn.Module):
         device = _device_from_id(device_id)
         ignored = resolve_ignored(module, ignored_modules, ignored_states)
         plan = resolve_strategy(strategy, process_group, device_mesh, default_device_type(device))
+        if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and plan.shard_group.size() == 1:
+            # As FSDP1: one rank has nothing to shard (its words). (FSDP1 also
+            # does this for the hybrid strategies with one rank per node, and
+            # then reduces over that one rank alone: not copied.)
+            warnings.warn(
+                f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
+                stacklevel=2,
+            )
+            strategy = ShardingStrategy.NO_SHARD
+            plan = resolve_strategy(strategy, process_group, device_mesh, default_device_type(device))
         if strategy == ShardingStrategy.NO_SHARD and dist.get_world_size(plan.replicate_group or plan.shard_group) > 1:
             warnings.warn(  # PyTorch's words
                 "The `NO_SHARD` sharding strategy is deprecated. If having issues, "
