@@ -1487,10 +1487,11 @@ def test_no_sync_accumulation_under_mixed_precision_like_fsdp1(strategy):
 # one weight whose rows divide evenly (FSDP1's flat shard is then our dim-0
 # chunk; elsewhere the two layouts sum different elements per rank). Found
 # by a randomised differential fuzzer (a last-bit difference of the norm).
+@pytest.mark.parametrize("use_orig_params", [True, False])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 @multi_rank(world_sizes=(2,))
-def test_clip_grad_norm_bit_for_bit_like_fsdp1(strategy, norm_type):
+def test_clip_grad_norm_bit_for_bit_like_fsdp1(strategy, norm_type, use_orig_params):
     import torch.distributed as dist
     import torch.distributed.fsdp as tfsdp
     import torch.distributed.fsdp.wrap as twrap
@@ -1501,25 +1502,34 @@ def test_clip_grad_norm_bit_for_bit_like_fsdp1(strategy, norm_type):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False), nn.Tanh(),
                          nn.Linear(16, 4, bias=False))
+    if strategy == "NO_SHARD":  # units of several parameters: FSDP1's norm is then its flat gradients'
+        base = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16)), nn.Tanh(),
+                             nn.Sequential(nn.Linear(16, 4), nn.Tanh()))
     got = {}
     for name, lib, w in (("sw", shardwise, swrap), ("pt", tfsdp, twrap)):
         extra = {"device_id": torch.device("cpu")} if lib is tfsdp else {}
+        policy = w.ModuleWrapPolicy({nn.Sequential} if strategy == "NO_SHARD" else {nn.Linear})
         model = lib.FullyShardedDataParallel(
-            copy.deepcopy(base), auto_wrap_policy=w.ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
+            copy.deepcopy(base), auto_wrap_policy=policy, use_orig_params=use_orig_params,
             sharding_strategy=getattr(lib.ShardingStrategy, strategy), **extra,
         )
-        totals, grads = [], []
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        totals, seen = [], []
         for step in range(8):
             x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
             model(x).pow(2).sum().backward()
             totals.append(model.clip_grad_norm_(0.5 + step, norm_type))
-            with lib.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
-                grads.append([q.grad.clone() for q in model.parameters()])
-            model.zero_grad()
-        got[name] = totals, grads
-    (ta, ga), (tb, gb) = got["sw"], got["pt"]
+            if use_orig_params:  # (FSDP1 cannot summon gradients without)
+                with lib.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+                    seen.append([q.grad.clone() for q in model.parameters()])
+            opt.step()  # the clipped gradients decide the parameters
+            opt.zero_grad()
+        with lib.FullyShardedDataParallel.summon_full_params(model):
+            seen.append([q.detach().clone() for q in model.parameters()])
+        got[name] = totals, seen
+    (ta, sa), (tb, sb) = got["sw"], got["pt"]
     assert all(torch.equal(a, b) for a, b in zip(ta, tb)), (ta, tb)
-    assert all(torch.equal(a, b) for sa, sb in zip(ga, gb) for a, b in zip(sa, sb))
+    assert len(sa) == len(sb) and all(torch.equal(a, b) for x, y in zip(sa, sb) for a, b in zip(x, y))
 
 
 # FSDP1 registers a parameter its unit holds in several places again at

@@ -673,22 +673,35 @@ class FullyShardedDataParallel(nn.Module):
         """
         self._require_root("clip_grad_norm_()")
         wrappers = [w for w in _wrappers_under(self) if w._group is not None]
+        # FSDP1's order: wrappers in module order, a wrapper's own parameters
+        # in module order (its flat parameter's), then those no wrapper manages.
+        order = {id(q): i for i, q in enumerate(self.parameters())}
         if all(w._plan.strategy == ShardingStrategy.NO_SHARD for w in wrappers):
-            # As FSDP1: nothing sharded, so PyTorch's own clip over every
-            # gradient (each rank holds them whole).
+            # As FSDP1: nothing sharded, so PyTorch's own clip over its
+            # parameters' gradients (each rank holds them whole): the original
+            # ones, or with use_orig_params=False each unit's flat gradient.
             grads = [_local(g) for q in self.parameters() if (g := q.grad) is not None]
-            total = torch.nn.utils.get_total_norm(grads, norm_type)
+            norm_of = grads
+            if not self._use_orig_params:
+                norm_of, seen = [], set()
+                for w in wrappers:
+                    managed = sorted((sp.sharded_param for sp in w._group.params) if w._group is not None else (),
+                                     key=lambda q: order.get(id(q), -1))
+                    seen.update(id(q) for q in managed)
+                    parts = [_local(q.grad).reshape(-1) for q in managed if q.grad is not None]
+                    if parts:
+                        norm_of.append(torch.cat(parts))
+                norm_of += [_local(g) for q in self.parameters() if id(q) not in seen and (g := q.grad) is not None]
+            total = torch.nn.utils.get_total_norm(norm_of, norm_type)
             _scale(grads, max_norm, total, cast=False)
             return total
         max_norm, p = float(max_norm), float(norm_type)
         device = self._compute_device
         inf = math.isinf(p)
-        # FSDP1's order and arithmetic: each wrapper's parameters (wrappers in
-        # module order, a wrapper's own in module order), split into sharded
-        # ones (norms combined over the shard group) and the rest (NO_SHARD
-        # units', then those no wrapper manages: combined locally). A
-        # gradient's norm is taken in fp32, a list's as the norm of its norms.
-        order = {id(q): i for i, q in enumerate(self.parameters())}
+        # FSDP1's arithmetic: sharded gradients' norms combined over the shard
+        # group, the rest (NO_SHARD units', those no wrapper manages)
+        # locally. A gradient's norm is taken in fp32, a list's as the norm
+        # of its norms.
         sharded: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {
             id(self._plan.shard_group): (self._plan.shard_group, [])
         }
