@@ -681,17 +681,7 @@ class FullyShardedDataParallel(nn.Module):
             # parameters' gradients (each rank holds them whole): the original
             # ones, or with use_orig_params=False each unit's flat gradient.
             grads = [_local(g) for q in self.parameters() if (g := q.grad) is not None]
-            norm_of = grads
-            if not self._use_orig_params:
-                norm_of, seen = [], set()
-                for w in wrappers:
-                    managed = sorted((sp.sharded_param for sp in w._group.params) if w._group is not None else (),
-                                     key=lambda q: order.get(id(q), -1))
-                    seen.update(id(q) for q in managed)
-                    parts = [_local(q.grad).reshape(-1) for q in managed if q.grad is not None]
-                    if parts:
-                        norm_of.append(torch.cat(parts))
-                norm_of += [_local(g) for q in self.parameters() if id(q) not in seen and (g := q.grad) is not None]
+            norm_of = grads if self._use_orig_params else self._flat_grads(wrappers, order)
             total = torch.nn.utils.get_total_norm(norm_of, norm_type)
             _scale(grads, max_norm, total, cast=False)
             return total
@@ -758,6 +748,21 @@ class FullyShardedDataParallel(nn.Module):
             )
             return total
         return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
+
+    def _flat_grads(self, wrappers: list[FullyShardedDataParallel], order: dict[int, int]) -> list[torch.Tensor]:
+        """The gradients FSDP1's parameters would have with use_orig_params=False:
+        each unit's flat gradient (its parameters' in module order, as one
+        vector), then those of parameters no unit manages."""
+        flat: list[torch.Tensor] = []
+        managed_ids: set[int] = set()
+        for w in wrappers:
+            managed = sorted((sp.sharded_param for sp in w._group.params) if w._group is not None else (),
+                             key=lambda q: order.get(id(q), -1))
+            managed_ids.update(id(q) for q in managed)
+            parts = [_local(g).reshape(-1) for q in managed if (g := q.grad) is not None]
+            if parts:
+                flat.append(torch.cat(parts))
+        return flat + [_local(g) for q in self.parameters() if id(q) not in managed_ids and (g := q.grad) is not None]
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Reduce gradients with ``hook(state, grad, output)`` instead of the
