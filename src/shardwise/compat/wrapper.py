@@ -675,13 +675,13 @@ class FullyShardedDataParallel(nn.Module):
         wrappers = [w for w in _wrappers_under(self) if w._group is not None]
         # FSDP1's order: wrappers in module order, a wrapper's own parameters
         # in module order (its flat parameter's), then those no wrapper manages.
-        order = {id(q): i for i, q in enumerate(self.parameters())}
+        managed = self._managed_in_order(wrappers)
         if all(w._plan.strategy == ShardingStrategy.NO_SHARD for w in wrappers):
             # As FSDP1: nothing sharded, so PyTorch's own clip over its
             # parameters' gradients (each rank holds them whole): the original
             # ones, or with use_orig_params=False each unit's flat gradient.
             grads = [_local(g) for q in self.parameters() if (g := q.grad) is not None]
-            norm_of = grads if self._use_orig_params else self._flat_grads(wrappers, order)
+            norm_of = grads if self._use_orig_params else self._flat_grads(managed)
             total = torch.nn.utils.get_total_norm(norm_of, norm_type)
             _scale(grads, max_norm, total, cast=False)
             return total
@@ -696,28 +696,20 @@ class FullyShardedDataParallel(nn.Module):
             id(self._plan.shard_group): (self._plan.shard_group, [])
         }
         local: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for w in wrappers:
-            managed = [sp.sharded_param for sp in w._group.params] if w._group is not None else []
-            for q in sorted(managed, key=lambda q: order.get(id(q), -1)):
-                seen.add(id(q))
-                g = q.grad
-                if g is None:
-                    continue
-                t = _local(g)
-                if not t.numel():
-                    continue  # no elements here: FSDP1 shows no gradient
-                norm = torch.linalg.vector_norm(t.detach(), p, dtype=torch.float32)
-                group = _shard_group_of(g)
-                if group is None:
-                    local.append(norm)
-                else:
-                    sharded.setdefault(id(group), (group, []))[1].append(norm)
-        grads = [g for q in self.parameters() if (g := q.grad) is not None]
+        for g in (q.grad for unit in managed for q in unit):
+            if g is None or not _local(g).numel():
+                continue  # (no elements here: FSDP1 shows no gradient)
+            norm = torch.linalg.vector_norm(_local(g).detach(), p, dtype=torch.float32)
+            group = _shard_group_of(g)
+            if group is None:
+                local.append(norm)
+            else:
+                sharded.setdefault(id(group), (group, []))[1].append(norm)
         local += [
-            torch.linalg.vector_norm(_local(q.grad).detach(), p, dtype=torch.float32)
-            for q in self.parameters() if id(q) not in seen and q.grad is not None
+            torch.linalg.vector_norm(_local(g).detach(), p, dtype=torch.float32)
+            for g in self._unmanaged_grads(managed)
         ]
+        grads = [g for q in self.parameters() if (g := q.grad) is not None]
         total = torch.zeros((), device=device)
         for i, (group, norms) in enumerate(sharded.values()):
             if norms:
@@ -749,20 +741,29 @@ class FullyShardedDataParallel(nn.Module):
             return total
         return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
 
-    def _flat_grads(self, wrappers: list[FullyShardedDataParallel], order: dict[int, int]) -> list[torch.Tensor]:
+    def _managed_in_order(self, wrappers: list[FullyShardedDataParallel]) -> list[list[nn.Parameter]]:
+        """Each wrapper's parameters (sharded), in module order as FSDP1's flat
+        parameter holds them."""
+        order = {id(q): i for i, q in enumerate(self.parameters())}
+        return [
+            sorted((sp.sharded_param for sp in w._group.params), key=lambda q: order.get(id(q), -1))
+            for w in wrappers if w._group is not None
+        ]
+
+    def _flat_grads(self, managed: list[list[nn.Parameter]]) -> list[torch.Tensor]:
         """The gradients FSDP1's parameters would have with use_orig_params=False:
-        each unit's flat gradient (its parameters' in module order, as one
-        vector), then those of parameters no unit manages."""
-        flat: list[torch.Tensor] = []
-        managed_ids: set[int] = set()
-        for w in wrappers:
-            managed = sorted((sp.sharded_param for sp in w._group.params) if w._group is not None else (),
-                             key=lambda q: order.get(id(q), -1))
-            managed_ids.update(id(q) for q in managed)
-            parts = [_local(g).reshape(-1) for q in managed if (g := q.grad) is not None]
-            if parts:
-                flat.append(torch.cat(parts))
-        return flat + [_local(g) for q in self.parameters() if id(q) not in managed_ids and (g := q.grad) is not None]
+        each unit's flat gradient (its parameters' as one vector), then those
+        of parameters no unit manages."""
+        flat = [
+            torch.cat(parts) for unit in managed
+            if (parts := [_local(g).reshape(-1) for q in unit if (g := q.grad) is not None])
+        ]
+        return flat + [_local(g) for g in self._unmanaged_grads(managed)]
+
+    def _unmanaged_grads(self, managed: list[list[nn.Parameter]]) -> list[torch.Tensor]:
+        """Gradients of the parameters no wrapper manages (ignored modules'), in module order."""
+        ids = {id(q) for unit in managed for q in unit}
+        return [g for q in self.parameters() if id(q) not in ids and (g := q.grad) is not None]
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Reduce gradients with ``hook(state, grad, output)`` instead of the
