@@ -1572,9 +1572,10 @@ def test_tied_parameter_order_like_fsdp1(use_orig_params):
 
 # FSDP1 at world size 1 warns and uses NO_SHARD instead of FULL_SHARD or
 # SHARD_GRAD_OP (nothing to shard); its clip is then PyTorch's own.
+@pytest.mark.parametrize("use_orig_params", [True, False])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 @multi_rank(world_sizes=(1,))
-def test_world_size_one_uses_no_shard_like_fsdp1(strategy):
+def test_world_size_one_uses_no_shard_like_fsdp1(strategy, use_orig_params):
     import warnings
 
     import torch.distributed.fsdp as tfsdp
@@ -1586,7 +1587,8 @@ def test_world_size_one_uses_no_shard_like_fsdp1(strategy):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = lib.FullyShardedDataParallel(
-                _base(), sharding_strategy=getattr(lib.ShardingStrategy, strategy), use_orig_params=True, **kw
+                _base(), sharding_strategy=getattr(lib.ShardingStrategy, strategy), use_orig_params=use_orig_params,
+                **kw,
             )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         totals = []
