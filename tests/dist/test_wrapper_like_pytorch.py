@@ -1604,3 +1604,29 @@ def test_world_size_one_uses_no_shard_like_fsdp1(strategy, use_orig_params):
     (wa, sa, ta, pa), (wb, sb, tb, pb) = got["sw"], got["pt"]
     assert wa == wb and len(wb) == 1 and sa == sb == "NO_SHARD"
     assert all(torch.equal(a, b) for a, b in zip(ta, tb)) and all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+# FSDP1 divides gradients around the sum by its own split in every dtype
+# (2 before and 1.5 after at three ranks; fully_shard divides fp32 by 3
+# after). Powers of two divide exactly, so only the subnormal range shows
+# it: there halving first rounds. NO_SHARD, whose all-reduce sums the same
+# elements in the same places as FSDP1's.
+@multi_rank(world_sizes=(3,))
+def test_gradient_division_around_the_sum_like_fsdp1():
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    got = {}
+    for name, lib in (("sw", shardwise), ("pt", tfsdp)):
+        extra = {"device_id": torch.device("cpu")} if lib is tfsdp else {}
+        model = lib.FullyShardedDataParallel(
+            _base(), sharding_strategy=lib.ShardingStrategy.NO_SHARD, use_orig_params=True, **extra
+        )
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+        (model(x).pow(2).mean() * 1e-38).backward()  # subnormal fp32 gradients
+        with lib.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+            got[name] = [q.grad.clone() for q in model.parameters()]
+    assert any((g.abs() < torch.finfo(torch.float32).tiny).any() and g.any() for g in got["pt"])
+    assert all(torch.equal(a, b) for a, b in zip(got["sw"], got["pt"]))
