@@ -124,6 +124,16 @@ def _try(fn):
         return (type(e).__name__, str(e)[:120])
 
 
+def _side_by_side():
+    """``(name, library, extra constructor kwargs)`` for shardwise and PyTorch's
+    FSDP1 (which needs ``device_id`` on CPU)."""
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    return (("sw", shardwise, {}), ("pt", tfsdp, {"device_id": torch.device("cpu")}))
+
+
 def _x():
     import torch.distributed as dist
 
@@ -791,13 +801,9 @@ def test_deprecated_state_dict_entry_points_warn_like_pytorch():
     from shardwise import StateDictType
     from shardwise.wrap import ModuleWrapPolicy
 
-    import torch.distributed.fsdp as tfsdp
-
-    import shardwise
-
     made = {}  # FutureWarnings at construction: FSDP1 deprecates NO_SHARD
     for strategy in ("NO_SHARD", "FULL_SHARD"):
-        for name, lib, kw in (("sw", shardwise, {}), ("pt", tfsdp, {"device_id": torch.device("cpu")})):
+        for name, lib, kw in _side_by_side():
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 lib.FullyShardedDataParallel(_base(), sharding_strategy=lib.ShardingStrategy[strategy], **kw)
@@ -1431,13 +1437,9 @@ def _grads_and_params_like_fsdp1(strategy, micro_batches, steps=2, **kw):
     full gradients (``summon_full_params(with_grads=True)``), then the full
     parameters."""
     import torch.distributed as dist
-    import torch.distributed.fsdp as tfsdp
-
-    import shardwise
 
     out = {}
-    for name, lib in (("sw", shardwise), ("pt", tfsdp)):
-        extra = {"device_id": torch.device("cpu")} if lib is tfsdp else {}
+    for name, lib, extra in _side_by_side():
         mp = kw.get("mixed_precision")
         model = lib.FullyShardedDataParallel(
             _base(), sharding_strategy=getattr(lib.ShardingStrategy, strategy), use_orig_params=True,
@@ -1493,10 +1495,8 @@ def test_no_sync_accumulation_under_mixed_precision_like_fsdp1(strategy):
 @multi_rank(world_sizes=(2,))
 def test_clip_grad_norm_bit_for_bit_like_fsdp1(strategy, norm_type, use_orig_params):
     import torch.distributed as dist
-    import torch.distributed.fsdp as tfsdp
     import torch.distributed.fsdp.wrap as twrap
 
-    import shardwise
     import shardwise.wrap as swrap
 
     torch.manual_seed(0)
@@ -1506,8 +1506,7 @@ def test_clip_grad_norm_bit_for_bit_like_fsdp1(strategy, norm_type, use_orig_par
         base = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16)), nn.Tanh(),
                              nn.Sequential(nn.Linear(16, 4), nn.Tanh()))
     got = {}
-    for name, lib, w in (("sw", shardwise, swrap), ("pt", tfsdp, twrap)):
-        extra = {"device_id": torch.device("cpu")} if lib is tfsdp else {}
+    for (name, lib, extra), w in zip(_side_by_side(), (swrap, twrap)):
         policy = w.ModuleWrapPolicy({nn.Sequential} if strategy == "NO_SHARD" else {nn.Linear})
         model = lib.FullyShardedDataParallel(
             copy.deepcopy(base), auto_wrap_policy=policy, use_orig_params=use_orig_params,
@@ -1539,9 +1538,6 @@ def test_clip_grad_norm_bit_for_bit_like_fsdp1(strategy, norm_type, use_orig_par
 @pytest.mark.parametrize("use_orig_params", [True, False])
 @multi_rank(world_sizes=(2,))
 def test_tied_parameter_order_like_fsdp1(use_orig_params):
-    import torch.distributed.fsdp as tfsdp
-
-    import shardwise
 
     class Tied(nn.Module):
         def __init__(self):
@@ -1553,7 +1549,7 @@ def test_tied_parameter_order_like_fsdp1(use_orig_params):
             return self.head(self.mid(self.emb(x)))
 
     seen = {}
-    for name, lib, kw in (("sw", shardwise, {}), ("pt", tfsdp, {"device_id": torch.device("cpu")})):
+    for name, lib, kw in _side_by_side():
         torch.manual_seed(0)
         model = lib.FullyShardedDataParallel(Tied(), use_orig_params=use_orig_params, **kw)
         model(torch.tensor([[1, 2, 3]])).sum().backward()
@@ -1578,12 +1574,8 @@ def test_tied_parameter_order_like_fsdp1(use_orig_params):
 def test_world_size_one_uses_no_shard_like_fsdp1(strategy, use_orig_params):
     import warnings
 
-    import torch.distributed.fsdp as tfsdp
-
-    import shardwise
-
     got = {}
-    for name, lib, kw in (("sw", shardwise, {}), ("pt", tfsdp, {"device_id": torch.device("cpu")})):
+    for name, lib, kw in _side_by_side():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = lib.FullyShardedDataParallel(
@@ -1614,13 +1606,9 @@ def test_world_size_one_uses_no_shard_like_fsdp1(strategy, use_orig_params):
 @multi_rank(world_sizes=(3,))
 def test_gradient_division_around_the_sum_like_fsdp1():
     import torch.distributed as dist
-    import torch.distributed.fsdp as tfsdp
-
-    import shardwise
 
     got = {}
-    for name, lib in (("sw", shardwise), ("pt", tfsdp)):
-        extra = {"device_id": torch.device("cpu")} if lib is tfsdp else {}
+    for name, lib, extra in _side_by_side():
         model = lib.FullyShardedDataParallel(
             _base(), sharding_strategy=lib.ShardingStrategy.NO_SHARD, use_orig_params=True, **extra
         )
