@@ -4,9 +4,10 @@ code path whether or not a user installs a custom collective."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -169,6 +170,15 @@ def _in_place_gloo(
 ) -> bool:
     """Whether a collective of ours over ``group`` takes gloo's in-place path
     (for an ``input`` of at least ``min_bytes``)."""
+    if not _is_gloo(group) or output.device.type != "cpu" or not (output.is_contiguous() and input.is_contiguous()):
+        return False
+    if input.numel() * input.element_size() < min_bytes:
+        return False
+    return torch._C._len_torch_dispatch_stack() == 0 and not isinstance(output, FakeTensor)
+
+
+def _is_gloo(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` of several ranks runs gloo for CPU tensors."""
     if group is None:
         return False
     ok = _gloo.get(group)
@@ -180,11 +190,18 @@ def _in_place_gloo(
         except (RuntimeError, ValueError, TypeError):
             ok = False
         _gloo[group] = ok
-    if not ok or output.device.type != "cpu" or not (output.is_contiguous() and input.is_contiguous()):
-        return False
-    if input.numel() * input.element_size() < min_bytes:
-        return False
-    return torch._C._len_torch_dispatch_stack() == 0 and not isinstance(output, FakeTensor)
+    return ok
+
+
+def packs_exchanges(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether ``all_gather_tensor`` over ``group`` on ``device`` is one
+    exchange that may travel with others ([Note: held-back exchanges]): two
+    gloo ranks, CPU tensors, ``torch.distributed``'s own all-gather, no
+    dispatch mode. (Fake tensors are caught per call, in ``_in_place_gloo``.)"""
+    return (
+        group is not None and group.size() == 2 and device.type == "cpu" and _is_gloo(group)
+        and getattr(dist, _AG_NAME) is _ORIGINAL_AG and torch._C._len_torch_dispatch_stack() == 0
+    )
 
 
 class _Works:
@@ -252,9 +269,33 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) 
 # exchange's two byte buffers are reused by the next of the same size once
 # every part was read, and dropped when no packed exchange is left in
 # flight (the end of a backward), as the engine's pool is.
+# Inside ``exchanges_together()`` small all-gathers are held too, and what is
+# held goes when the outermost such block ends: the engine issues a run of
+# small groups' prefetches there, which then travel as one exchange
+# ([Note: prefetch runs] in ``_engine/param_group.py``).
 _ALIGN = 16
 _HOLD_MAX_BYTES = 256 << 10
 _held: weakref.WeakKeyDictionary[dist.ProcessGroup, list[_Parcel]] = weakref.WeakKeyDictionary()
+_together = 0  # depth of exchanges_together() blocks
+_gathers_held: list[dist.ProcessGroup] = []  # groups an all-gather was held for inside them
+
+
+@contextlib.contextmanager
+def exchanges_together() -> Iterator[None]:
+    """Hold the small all-gathers issued inside (over two gloo ranks); when the
+    outermost block ends, send what is held over each group one was held for,
+    as one exchange (reduce-scatters held over other groups stay held)."""
+    global _together
+    _together += 1
+    try:
+        yield
+    finally:
+        _together -= 1
+        if not _together:
+            groups = list(dict.fromkeys(_gathers_held))
+            _gathers_held.clear()
+            for group in groups:
+                _send_held(group)
 
 
 class _Flight:
@@ -373,7 +414,9 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     if not input.numel():
         return _Works([])
     if size == 2:
-        return _Works([_post(group, input, rows[1 - me], hold=False)])
+        if _together:
+            _gathers_held.append(group)
+        return _Works([_post(group, input, rows[1 - me], hold=_together > 0)])
     return _Works([dist.broadcast(rows[r], group=group, group_src=r, async_op=True) for r in range(size)])
 
 

@@ -80,7 +80,6 @@ def test_export_loads_into_plain_model(tmp_path, world_size, tie, precision, lay
 
     import shardwise.checkpoint.single_file as export_mod
     from shardwise._engine.module_state import states_under
-    from shardwise._engine.param_group import unsharded_bytes
     from shardwise.checkpoint import export
 
     cfg = _cfg(tie, dim=24 if layout == "dim1" else 20)  # Shard(1) must divide evenly (as PyTorch)
@@ -97,6 +96,14 @@ def test_export_loads_into_plain_model(tmp_path, world_size, tie, precision, lay
     groups = [s.group for s in states_under(model) if s.group is not None]
     real = export_mod.summon_full_params
     seen = []
+
+    def unsharded_bytes(group):  # a buffer they share counted once
+        storages = {}
+        for p in group.params:
+            if p.unsharded_param is not None:
+                storage = p.unsharded_param.untyped_storage()
+                storages[storage.data_ptr() or id(p)] = storage.size()
+        return sum(storages.values())
 
     def watched(module, recurse=True, writeback=True):
         busy = [g for g in groups if unsharded_bytes(g) and g.is_unsharded]

@@ -438,6 +438,7 @@ class ModuleState:
                 ctx.pool.clear()  # [Note: reused buffers]: nothing pooled outlives the backward
             finally:
                 ctx.post_forward_order.clear()
+                ctx.run_pending = 0
                 ctx.final_callback_queued = False
 
     def _recover_from_aborted_backward(self) -> None:
@@ -469,6 +470,7 @@ class ModuleState:
                 group.abort_step()
         ctx.abandon_pending()
         ctx.post_forward_order.clear()
+        ctx.run_pending = 0
         ctx.recording = []
         ctx.final_callback_queued = False
 

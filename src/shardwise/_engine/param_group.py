@@ -47,7 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import torch.nn as nn
 
 import shardwise.observe as observe
-from shardwise.comm import WorkHandle
+from shardwise.comm import WorkHandle, exchanges_together, packs_exchanges
 from shardwise.errors import ConfigError, MixedDtypeError, UnsupportedError
 from shardwise.layout import FlatLayout, ShardLayout
 from shardwise.mesh import MeshInfo, SubgroupInfo
@@ -55,6 +55,7 @@ from shardwise.policies import MixedPrecisionPolicy
 
 from . import collectives as coll
 from .plan import GroupPlan
+from .prefetch import RunMember, prefetch_run
 from .settings import GroupSettings
 from .sharded_param import ShardedParam, ShardedState, same_version, alloc_storage, free_storage
 from .trace import trace
@@ -116,6 +117,9 @@ class IterationContext(Generic[S]):
     pending: deque[PendingReduction] = field(default_factory=deque)
     # Reduce-scatters left in flight while backward goes on (the queue's bound).
     max_pending: int = 1
+    # Reductions the latest backward prefetch run lets wait for the next
+    # run's exchange ([Note: prefetch runs]); 0 outside a backward.
+    run_pending: int = 0
     # The root's end-of-backward callback is queued (once per backward, and
     # not again in a nested backward such as reentrant checkpointing's). A
     # backward that raised leaves it set: the root's next forward, outside
@@ -131,13 +135,16 @@ class IterationContext(Generic[S]):
             self.forward_index = {id(g): i for i, g in reversed(list(enumerate(self.forward_order)))}
         self.recording = []
 
-    def next_in_forward(self, group: ParamGroup) -> ParamGroup | None:
+    def forward_prefetch(self, group: ParamGroup) -> list[ParamGroup]:
+        """What ``group``'s pre-forward prefetches by default: the next group,
+        or a run of small ones ([Note: prefetch runs])."""
         if self.forward_order is None:
-            return None
+            return []
         i = self.forward_index.get(id(group))
-        if i is None or i + 1 >= len(self.forward_order):
-            return None
-        return self.forward_order[i + 1]
+        if i is None:
+            return []
+        order = self.forward_order
+        return prefetch_run((order[j] for j in range(i + 1, len(order))), backward=False)
 
     def drain(self, keep: int) -> None:
         """Finish pending reductions, oldest first, until at most ``keep`` remain."""
@@ -336,6 +343,32 @@ class ParamGroup:
     @property
     def is_unsharded(self) -> bool:
         return self.sharded_state == ShardedState.UNSHARDED
+
+    def run_bytes(self) -> int | None:
+        """The bytes of the all-gather this group would issue now, when that may
+        travel with others' in a prefetch run ([Note: prefetch runs]): not
+        issued yet, the fast path's one gather with the default collective
+        over two gloo ranks, from its shards (not post-forward shards)."""
+        if (
+            not self.settings.prefetch_runs or not self.plan.fast or self.flat_sharded is None
+            or self.sharded_state != ShardedState.SHARDED or self._in_flight is not None
+            or not coll.is_default(self.settings.all_gather_comm)
+            or not packs_exchanges(self.info.shard_group, self.device)
+        ):
+            return None
+        return self.plan.flat.total * 2 * self.gather_dtype(self.params[0]).itemsize
+
+    def may_follow(self, first: RunMember, backward: bool) -> bool:
+        """Whether this group may join a prefetch run that ``first`` starts: not
+        run yet this pass, over the same shard group, gathered in backward,
+        and without an explicit prefetch list of its own (prefetched as set)."""
+        settings = self.settings
+        return (
+            self.training_state == TrainingState.IDLE
+            and isinstance(first, ParamGroup) and self.info.shard_group is first.info.shard_group
+            and (settings.unshard_in_backward or not backward)
+            and (settings.backward_prefetch if backward else settings.forward_prefetch) is None
+        )
 
     @property
     def gathering(self) -> bool:
@@ -666,14 +699,14 @@ class ParamGroup:
         self._prefetched = False
         if self.ctx.forward_order is None:
             self.ctx.recording.append(self)
-        self.unshard(async_op=True)
         targets = self.settings.forward_prefetch
         if targets is None:
-            nxt = self.ctx.next_in_forward(self)
-            targets = [nxt] if nxt is not None else []
-        for target in targets:
-            if target.training_state == TrainingState.IDLE:
-                target.prefetch()
+            targets = self.ctx.forward_prefetch(self)
+        with exchanges_together():
+            self.unshard(async_op=True)
+            for target in targets:
+                if target.training_state == TrainingState.IDLE:
+                    target.prefetch()
         self.wait_for_unshard()
         self._register_unsharded()
 
@@ -709,8 +742,11 @@ class ParamGroup:
             targets = []
             if self.post_forward_indices:
                 i = self.post_forward_indices.pop()
-                if i > 0:
-                    targets = [self.ctx.post_forward_order[i - 1]]
+                order = self.ctx.post_forward_order
+                targets = prefetch_run((order[j] for j in range(i - 1, -1, -1)), backward=True)
+                if targets and targets[0]._in_flight is None and not targets[0].is_unsharded:
+                    # a new run: the reductions of the groups before it wait to travel with the next
+                    self.ctx.run_pending = len(targets)
         self._backward_targets = targets
         if not self.settings.prefetch_in_post_backward:
             self._prefetch_backward()
@@ -720,10 +756,11 @@ class ParamGroup:
 
     def _prefetch_backward(self) -> None:
         targets, self._backward_targets = self._backward_targets, []
-        for target in targets:
-            done = target.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-            if target.settings.unshard_in_backward and not done:
-                target.prefetch()
+        with exchanges_together():
+            for target in targets:
+                done = target.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+                if target.settings.unshard_in_backward and not done:
+                    target.prefetch()
 
     def post_backward(self) -> None:
         """Reduce-scatter the gradients computed so far, then reshard."""
@@ -790,7 +827,7 @@ class ParamGroup:
                     for p, grad in zip(bucket_params, bucket_grads):
                         p.shard_grad(grad)
                     continue
-                self.ctx.drain(keep=self.ctx.max_pending)
+                self.ctx.drain(keep=max(self.ctx.max_pending, self.ctx.run_pending))
                 self.ctx.pending.append(self._start_reduction(bucket_params, bucket_grads, dtype))
 
     def _grads_are_shards(self, grads: list[torch.Tensor], dtype: torch.dtype) -> bool:
@@ -947,17 +984,6 @@ extensions such as torchao's float8 weights) get a buffer each. Fake tensors
 (the planner's) stand for plain ones."""
 
 
-def unsharded_bytes(group: ParamGroup) -> int:
-    """Bytes held by this group's unsharded parameters right now (a buffer
-    they share counted once)."""
-    storages = {}
-    for p in group.params:
-        if p.unsharded_param is not None:
-            storage = p.unsharded_param.untyped_storage()
-            storages[storage.data_ptr() or id(p)] = storage.size()
-    return sum(storages.values())
-
-
 __all__ = [
     "ParamGroup",
     "TrainingState",
@@ -965,5 +991,4 @@ __all__ = [
     "PendingReduction",
     "check_trainable_dtypes",
     "free_storage",
-    "unsharded_bytes",
 ]

@@ -58,6 +58,9 @@ class GroupSettings:
     # computation and reshard, before its reduce-scatter: FSDP1's BACKWARD_POST)
     # instead of in pre-backward (BACKWARD_PRE): less memory, later overlap.
     prefetch_in_post_backward: bool = False
+    # Small groups' implicit prefetches go in runs ([Note: prefetch runs]);
+    # off: one group ahead (the wrapper: FSDP1's limit_all_gathers).
+    prefetch_runs: bool = True
     # Install reduced gradients in param_dtype (FSDP1's keep_low_precision_grads).
     keep_low_precision_grads: bool = False
     # With sync off and a reduce dtype other than the gradients', accumulate

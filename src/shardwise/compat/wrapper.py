@@ -185,9 +185,10 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: issue the next module's all-gather before the current
             forward computation (in the order recorded in the first iteration).
             (Default: ``False``)
-        limit_all_gathers: bound the unsharded groups held at once. The engine
-            always does (the current group plus one prefetched), so ``False``
-            changes nothing and warns. (Default: ``True``)
+        limit_all_gathers: bound the unsharded groups held at once. The wrapper
+            always does (the current group plus one prefetched; ``fully_shard``
+            prefetches small groups in runs), so ``False`` changes nothing and
+            warns. (Default: ``True``)
         use_orig_params: accepted for compatibility; parameters are always the
             original ones, as sharded ``DTensor`` s. (Default: ``False``)
         ignored_states: ignored parameters or modules (instead of
@@ -249,7 +250,7 @@ class FullyShardedDataParallel(nn.Module):
             _check_flag(value, arg)
         if not limit_all_gathers:
             warnings.warn(
-                "limit_all_gathers=False has no effect in shardwise: the engine never holds more "
+                "limit_all_gathers=False has no effect in shardwise: the wrapper never holds more "
                 "than the current and one prefetched group unsharded.",
                 stacklevel=2,
             )
@@ -423,6 +424,7 @@ class FullyShardedDataParallel(nn.Module):
         # [Note: prefetch order] in the engine: None is the implicit order, [] none.
         settings.forward_prefetch = None if self._forward_prefetch else []
         settings.register_sharded_when_idle = True
+        settings.prefetch_runs = False  # limit_all_gathers: the current group plus one prefetched
         if self._backward_prefetch is None:
             settings.backward_prefetch = []
         else:
