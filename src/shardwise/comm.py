@@ -13,6 +13,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 # torch >= 2.13 names them *_single (the *_tensor names warn); older torch has only those.
 _AG_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -206,13 +207,26 @@ def packs_exchanges(group: dist.ProcessGroup | None, device: torch.device) -> bo
 
 class _Works:
     """Several works in flight as one; ``wait`` completes them, then runs
-    ``then`` (the reduce-scatter's sum) once."""
+    ``then`` (the reduce-scatter's sum) once.
+
+    They are issued only outside any dispatch mode (``_in_place_gloo``), and
+    what finishing them takes (sending held exchanges, copying packed parts
+    out, the sum) runs outside one too, wherever it is waited for: a gather
+    the backward prefetched is waited for in a block's pre-forward, which under
+    selective activation checkpointing's recompute runs inside its replay
+    mode, and that mode refuses any op the forward did not run there."""
 
     def __init__(self, works: list[Any], then: Callable[[], object] | None = None) -> None:
         self._works = works
         self._then = then
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
+        if torch._C._len_torch_dispatch_stack():
+            with _disable_current_modes():
+                return self._finish()
+        return self._finish()
+
+    def _finish(self) -> bool:
         works, self._works = self._works, []
         for work in works:
             work.wait()

@@ -730,6 +730,35 @@ def test_activation_checkpointing_matches_torch(reentrant):
     _train_compare(a, b)
 
 
+# Selective activation checkpointing over a span of sharded blocks: the
+# recompute runs inside SAC's replay mode, which refuses any op the forward did
+# not run there; gathers prefetched by the backward outside it finish inside it.
+class SelectiveSpanNet(Net):
+    def forward(self, x):
+        import functools
+
+        from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+        saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+        def span(h):
+            for b in self.blocks:
+                h = b(h)
+            return h
+
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        return self.out(checkpoint(span, self.inp(x), use_reentrant=False, context_fn=context_fn))
+
+
+@multi_rank(world_sizes=(2,))
+def test_selective_checkpointing_over_sharded_blocks_matches_torch():
+    a, b = _both(SelectiveSpanNet)
+    _train_compare(a, b, steps=3)
+
+
 # Composable checkpoint applied to blocks before fully_shard (the torchtitan way).
 @multi_rank(world_sizes=(2,))
 def test_composable_checkpoint_then_fully_shard():
