@@ -286,7 +286,7 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) 
 # Inside ``exchanges_together()`` small all-gathers are held too, and what is
 # held goes when the outermost such block ends: the engine issues a run of
 # small groups' prefetches there, which then travel as one exchange
-# ([Note: prefetch runs] in ``_engine/param_group.py``).
+# ([Note: prefetch runs] in ``_engine/prefetch.py``).
 _ALIGN = 16
 _HOLD_MAX_BYTES = 256 << 10
 _held: weakref.WeakKeyDictionary[dist.ProcessGroup, list[_Parcel]] = weakref.WeakKeyDictionary()

@@ -209,7 +209,10 @@ class FSDPModule:
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many gradient reduce-scatters may be in flight while backward goes
-        on (the memory <-> overlap dial). (Default: ``1``)
+        on (the memory <-> overlap dial). (Default: ``1``; by default, small
+        groups' reduce-scatters over two gloo ranks wait, up to 1 MiB of
+        gathered parameters' worth, to travel with the next prefetch; once
+        this is set they keep to it.)
 
         Args:
             max_input_buffers: at least 1.
@@ -224,6 +227,7 @@ class FSDPModule:
         states = states_under(self) if recurse else [self._get_fsdp_state()]  # type: ignore[arg-type]
         for state in states:
             state.ctx.max_pending = max_input_buffers
+            state.ctx.max_pending_set = True  # small groups' prefetch runs keep to it too
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Run gradient reduce-scatters on their own process group (over the same

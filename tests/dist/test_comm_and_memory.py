@@ -560,3 +560,33 @@ def test_gloo_in_place_collectives_equal_gloo_collectives(world_size):
     finally:
         comm.gloo_all_gather = real
         comm._IN_PLACE_MIN_BYTES = default_min
+
+
+@pytest.mark.parametrize("bound", [None, 1, 2])
+@multi_rank(world_sizes=(2,))
+def test_prefetch_runs_keep_a_set_reduce_scatter_bound(bound):
+    """[Note: prefetch runs]: by default a run's reduce-scatters wait to travel
+    with the next run (more than one in flight); set_reduce_scatter_max_input_buffers
+    still bounds them, as set (that many besides the one just issued)."""
+    from shardwise._engine.param_group import ParamGroup
+
+    model, cfg = _model(n_layers=5)
+    if bound is not None:
+        model.set_reduce_scatter_max_input_buffers(bound)
+    peak = [0]
+    orig = ParamGroup._start_reduction
+
+    def start(self, *args):
+        peak[0] = max(peak[0], len(self.ctx.pending) + 1)
+        return orig(self, *args)
+
+    ParamGroup._start_reduction = start
+    try:
+        for seed in range(2):
+            _step(model, cfg, seed)
+    finally:
+        ParamGroup._start_reduction = orig
+    if bound is None:
+        assert peak[0] > 2, peak
+    else:
+        assert peak[0] == bound + 1, peak

@@ -118,8 +118,10 @@ class IterationContext(Generic[S]):
     # Reduce-scatters left in flight while backward goes on (the queue's bound).
     max_pending: int = 1
     # Reductions the latest backward prefetch run lets wait for the next
-    # run's exchange ([Note: prefetch runs]); 0 outside a backward.
+    # run's exchange ([Note: prefetch runs]); 0 outside a backward. A bound
+    # the user set (set_reduce_scatter_max_input_buffers) is kept as set.
     run_pending: int = 0
+    max_pending_set: bool = False
     # The root's end-of-backward callback is queued (once per backward, and
     # not again in a nested backward such as reentrant checkpointing's). A
     # backward that raised leaves it set: the root's next forward, outside
@@ -356,7 +358,7 @@ class ParamGroup:
             or not packs_exchanges(self.info.shard_group, self.device)
         ):
             return None
-        return self.plan.flat.total * 2 * self.gather_dtype(self.params[0]).itemsize
+        return self.plan.flat.total * self.info.shard_size * self.gather_dtype(self.params[0]).itemsize
 
     def may_follow(self, first: RunMember, backward: bool) -> bool:
         """Whether this group may join a prefetch run that ``first`` starts: not
@@ -827,7 +829,8 @@ class ParamGroup:
                     for p, grad in zip(bucket_params, bucket_grads):
                         p.shard_grad(grad)
                     continue
-                self.ctx.drain(keep=max(self.ctx.max_pending, self.ctx.run_pending))
+                ctx = self.ctx
+                ctx.drain(keep=ctx.max_pending if ctx.max_pending_set else max(ctx.max_pending, ctx.run_pending))
                 self.ctx.pending.append(self._start_reduction(bucket_params, bucket_grads, dtype))
 
     def _grads_are_shards(self, grads: list[torch.Tensor], dtype: torch.dtype) -> bool:
