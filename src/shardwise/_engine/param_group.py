@@ -35,6 +35,7 @@ all-reduces are likewise issued async and finished one step later.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ from shardwise.policies import MixedPrecisionPolicy
 
 from . import collectives as coll
 from .plan import GroupPlan
-from .prefetch import RunMember, prefetch_run
+from .prefetch import prefetch_run
 from .settings import GroupSettings
 from .sharded_param import ShardedParam, ShardedState, same_version, alloc_storage, free_storage
 from .trace import trace
@@ -145,8 +146,7 @@ class IterationContext(Generic[S]):
         i = self.forward_index.get(id(group))
         if i is None:
             return []
-        order = self.forward_order
-        return prefetch_run((order[j] for j in range(i + 1, len(order))), backward=False)
+        return prefetch_run(itertools.islice(self.forward_order, i + 1, None), backward=False)
 
     def drain(self, keep: int) -> None:
         """Finish pending reductions, oldest first, until at most ``keep`` remain."""
@@ -360,14 +360,14 @@ class ParamGroup:
             return None
         return self.plan.flat.total * self.info.shard_size * self.gather_dtype(self.params[0]).itemsize
 
-    def may_follow(self, first: RunMember, backward: bool) -> bool:
+    def may_follow(self, first: ParamGroup, backward: bool) -> bool:
         """Whether this group may join a prefetch run that ``first`` starts: not
         run yet this pass, over the same shard group, gathered in backward,
         and without an explicit prefetch list of its own (prefetched as set)."""
         settings = self.settings
         return (
             self.training_state == TrainingState.IDLE
-            and isinstance(first, ParamGroup) and self.info.shard_group is first.info.shard_group
+            and self.info.shard_group is first.info.shard_group
             and (settings.unshard_in_backward or not backward)
             and (settings.backward_prefetch if backward else settings.forward_prefetch) is None
         )

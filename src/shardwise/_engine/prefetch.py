@@ -23,7 +23,7 @@ ahead as before.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol, TypeVar
+from typing import Protocol, Self, TypeVar
 
 # Most gathered bytes a prefetch run holds: a group far below this (the
 # 24-block benchmark's 200 KiB) pays mostly the fixed cost of its exchange;
@@ -38,7 +38,7 @@ class RunMember(Protocol):
         """The bytes of the all-gather this group would issue now, when that
         may travel in a run (None: not, or already issued)."""
 
-    def may_follow(self, first: RunMember, backward: bool) -> bool:
+    def may_follow(self, first: Self, backward: bool) -> bool:
         """Whether this group may join a run that ``first`` starts."""
 
 
