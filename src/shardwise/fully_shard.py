@@ -226,8 +226,7 @@ class FSDPModule:
         # states below share its context after the first forward).
         states = states_under(self) if recurse else [self._get_fsdp_state()]  # type: ignore[arg-type]
         for state in states:
-            state.ctx.max_pending = max_input_buffers
-            state.ctx.max_pending_set = True  # small groups' prefetch runs keep to it too
+            state.ctx.max_pending = max_input_buffers  # small groups' prefetch runs keep to it too
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Run gradient reduce-scatters on their own process group (over the same

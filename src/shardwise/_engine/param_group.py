@@ -116,13 +116,12 @@ class IterationContext(Generic[S]):
     # Groups in post-forward order this iteration (reverse = backward order).
     post_forward_order: list[ParamGroup] = field(default_factory=list)
     pending: deque[PendingReduction] = field(default_factory=deque)
-    # Reduce-scatters left in flight while backward goes on (the queue's bound).
-    max_pending: int = 1
-    # Reductions the latest backward prefetch run lets wait for the next
-    # run's exchange ([Note: prefetch runs]); 0 outside a backward. A bound
-    # the user set (set_reduce_scatter_max_input_buffers) is kept as set.
+    # Reduce-scatters left in flight while backward goes on (the queue's bound,
+    # as set_reduce_scatter_max_input_buffers set it); None: 1, or as many as
+    # the latest backward prefetch run is long ([Note: prefetch runs]).
+    max_pending: int | None = None
+    # That run's length; 0 outside a backward.
     run_pending: int = 0
-    max_pending_set: bool = False
     # The root's end-of-backward callback is queued (once per backward, and
     # not again in a nested backward such as reentrant checkpointing's). A
     # backward that raised leaves it set: the root's next forward, outside
@@ -829,8 +828,8 @@ class ParamGroup:
                     for p, grad in zip(bucket_params, bucket_grads):
                         p.shard_grad(grad)
                     continue
-                ctx = self.ctx
-                ctx.drain(keep=ctx.max_pending if ctx.max_pending_set else max(ctx.max_pending, ctx.run_pending))
+                keep = self.ctx.max_pending
+                self.ctx.drain(keep=max(1, self.ctx.run_pending) if keep is None else keep)
                 self.ctx.pending.append(self._start_reduction(bucket_params, bucket_grads, dtype))
 
     def _grads_are_shards(self, grads: list[torch.Tensor], dtype: torch.dtype) -> bool:
