@@ -1,8 +1,10 @@
 """A Hugging Face Llama sharded per decoder layer, trained beside the same
 model under PyTorch's fully_shard: what users of transformers do with it
 (tied embeddings, gradient checkpointing, the KV cache, generate, the state
-dict) gives the same numbers under both. (Tensor parallelism and compiled
-blocks with our own model: test_tensor_parallel.py, test_compile.py.)"""
+dict) gives the same numbers under both; so do mixture-of-experts and
+state-space families, whose parameters and control flow differ from Llama's.
+(Tensor parallelism and compiled blocks with our own model:
+test_tensor_parallel.py, test_compile.py.)"""
 
 from __future__ import annotations
 
@@ -75,3 +77,76 @@ def test_llama_idioms_match_pytorch():
     for k in full:
         torch.testing.assert_close(full[k], ref_full[k], msg=k)
     assert torch.equal(generated, ref_generated)
+
+
+# Tiny configs of families unlike Llama: fused 3-D expert weights indexed per
+# routed expert (each rank routes its own tokens, so ranks use different
+# experts), a router's auxiliary loss, shared experts after a dense first
+# layer and multi-head latent attention (DeepSeek-V3), attention sinks and
+# expert biases (gpt-oss), a selective state-space scan with a causal
+# convolution and no attention at all (Mamba-2).
+_FAMILIES = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                        qk_nope_head_dim=4, v_head_dim=8, head_dim=4, n_group=2, topk_group=1),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], attn_implementation="eager"),
+    "mamba2": dict(num_heads=4, head_dim=16, state_size=8, n_groups=1, expand=2, chunk_size=8,
+                   attn_implementation="eager"),
+}
+
+
+def _family(name: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, head_dim=8,
+                  attn_implementation="sdpa")
+    kwargs.update(_FAMILIES[name])
+    cfg = AutoConfig.for_model(name, **kwargs)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("family,mixed", [("mixtral", True), ("deepseek_v3", False), ("gpt_oss", False),
+                                          ("mamba2", False)])
+@multi_rank(world_sizes=(2,))
+def test_moe_and_state_space_families_match_pytorch(family, mixed):
+    """Losses (the router's auxiliary loss included), every gradient and the
+    trained parameters equal PyTorch's fully_shard bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardwise import MixedPrecisionPolicy, fully_shard
+
+    results = {}
+    for name, fs, mp_cls in (("shardwise", fully_shard, MixedPrecisionPolicy), ("torch", torch_fully_shard, TorchMP)):
+        model = _family(family)
+        kwargs = {"mp_policy": mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+        layers = model.backbone.layers if family == "mamba2" else model.model.layers
+        for layer in layers:
+            fs(layer, **kwargs)
+        fs(model, **kwargs)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        seen = []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
+            ids = torch.randint(0, 64, (2, 12), generator=gen)
+            res = model(input_ids=ids, labels=ids)
+            aux = getattr(res, "aux_loss", None)
+            seen.append(("loss", res.loss.detach()))
+            if aux is not None:
+                seen.append(("aux", aux.detach()))
+            res.loss.backward()
+            seen += [(f"grad {n}", p.grad.full_tensor()) for n, p in model.named_parameters()]
+            opt.step()
+            opt.zero_grad()
+        seen += [(f"param {n}", p.full_tensor().detach()) for n, p in model.named_parameters()]
+        results[name] = seen
+    ours, ref = results["shardwise"], results["torch"]
+    assert [k for k, _ in ours] == [k for k, _ in ref]
+    assert any(k == "aux" for k, _ in ours) == (family in ("mixtral", "gpt_oss"))
+    for (key, a), (_, b) in zip(ours, ref):
+        assert torch.equal(a, b), key
