@@ -150,3 +150,44 @@ def test_moe_and_state_space_families_match_pytorch(family, mixed):
     assert any(k == "aux" for k, _ in ours) == (family in ("mixtral", "gpt_oss"))
     for (key, a), (_, b) in zip(ours, ref):
         assert torch.equal(a, b), key
+
+
+@multi_rank(world_sizes=(4,))
+def test_llama_with_tensor_parallel_layers_matches_pytorch():
+    """A Llama whose decoder layers are tensor-parallel (torch's
+    ``parallelize_module``: attention and MLP column- then row-wise over a
+    ``tp`` mesh dimension), sharded per layer over ``dp``: losses, gradients,
+    placements and the full state dict as under PyTorch's fully_shard."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from shardwise import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    plan = {f"{block}.{name}": style() for block, names, style in (
+        ("self_attn", ("q_proj", "k_proj", "v_proj"), ColwiseParallel), ("self_attn", ("o_proj",), RowwiseParallel),
+        ("mlp", ("gate_proj", "up_proj"), ColwiseParallel), ("mlp", ("down_proj",), RowwiseParallel),
+    ) for name in names}
+    runs, extra = {}, {}
+    for name, fs in (("shardwise", fully_shard), ("torch", torch_fully_shard)):
+        model = _llama()
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+            fs(layer, mesh=mesh["dp"])
+        fs(model, mesh=mesh["dp"])
+        runs[name] = _train(model, dp_rank)
+        placements = [(n, p.device_mesh.mesh_dim_names, p.placements) for n, p in model.named_parameters()]
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        extra[name] = (placements, full)
+    _compare(runs)
+    placements, full = extra["shardwise"]
+    ref_placements, ref_full = extra["torch"]
+    assert placements == ref_placements
+    assert any(len(p) == 2 for _, _, p in placements)  # some parameters are sharded over dp and tp
+    assert list(full) == list(ref_full)
+    for k in full:
+        assert torch.equal(full[k], ref_full[k]), k
