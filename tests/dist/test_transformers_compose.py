@@ -27,25 +27,34 @@ def _llama() -> torch.nn.Module:
 
 
 def _train(model, dp_rank: int, use_cache: bool = False):
+    """Three AdamW steps on this data-parallel rank's batches: per step the
+    loss, the router's auxiliary loss (None without one) and every full
+    gradient."""
+    vocab = model.config.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = []
     for step in range(3):
-        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(10 * step + dp_rank))
+        ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(10 * step + dp_rank))
         res = model(input_ids=ids, labels=ids, use_cache=use_cache)
         res.loss.backward()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-        out.append((res.loss.detach(), grads))
+        aux = getattr(res, "aux_loss", None)
+        out.append((res.loss.detach(), None if aux is None else aux.detach(), grads))
     return out
 
 
-def _compare(runs):
-    for (loss, grads), (ref_loss, ref_grads) in zip(runs["shardwise"], runs["torch"]):
-        torch.testing.assert_close(loss, ref_loss)
+def _compare(runs, exact: bool = False):
+    tol = {"rtol": 0, "atol": 0} if exact else {}
+    for (loss, aux, grads), (ref_loss, ref_aux, ref_grads) in zip(runs["shardwise"], runs["torch"], strict=True):
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        assert (aux is None) == (ref_aux is None)
+        if aux is not None:
+            torch.testing.assert_close(aux, ref_aux, msg="aux_loss", **tol)
         assert grads.keys() == ref_grads.keys()
         for name in grads:
-            torch.testing.assert_close(grads[name], ref_grads[name], msg=name)
+            torch.testing.assert_close(grads[name], ref_grads[name], msg=name, **tol)
 
 
 @multi_rank(world_sizes=(2,))
@@ -121,7 +130,7 @@ def test_moe_and_state_space_families_match_pytorch(family, mixed):
 
     from shardwise import MixedPrecisionPolicy, fully_shard
 
-    results = {}
+    runs, params = {}, {}
     for name, fs, mp_cls in (("shardwise", fully_shard, MixedPrecisionPolicy), ("torch", torch_fully_shard, TorchMP)):
         model = _family(family)
         kwargs = {"mp_policy": mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
@@ -129,27 +138,13 @@ def test_moe_and_state_space_families_match_pytorch(family, mixed):
         for layer in layers:
             fs(layer, **kwargs)
         fs(model, **kwargs)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        seen = []
-        for step in range(3):
-            gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
-            ids = torch.randint(0, 64, (2, 12), generator=gen)
-            res = model(input_ids=ids, labels=ids)
-            aux = getattr(res, "aux_loss", None)
-            seen.append(("loss", res.loss.detach()))
-            if aux is not None:
-                seen.append(("aux", aux.detach()))
-            res.loss.backward()
-            seen += [(f"grad {n}", p.grad.full_tensor()) for n, p in model.named_parameters()]
-            opt.step()
-            opt.zero_grad()
-        seen += [(f"param {n}", p.full_tensor().detach()) for n, p in model.named_parameters()]
-        results[name] = seen
-    ours, ref = results["shardwise"], results["torch"]
-    assert [k for k, _ in ours] == [k for k, _ in ref]
-    assert any(k == "aux" for k, _ in ours) == (family in ("mixtral", "gpt_oss"))
-    for (key, a), (_, b) in zip(ours, ref):
-        assert torch.equal(a, b), key
+        runs[name] = _train(model, dist.get_rank())
+        params[name] = {n: p.full_tensor() for n, p in model.named_parameters()}
+    _compare(runs, exact=True)
+    assert all((aux is not None) == (family in ("mixtral", "gpt_oss")) for _, aux, _ in runs["shardwise"])
+    assert params["shardwise"].keys() == params["torch"].keys()
+    for n, p in params["shardwise"].items():
+        assert torch.equal(p, params["torch"][n]), n
 
 
 @multi_rank(world_sizes=(4,))
