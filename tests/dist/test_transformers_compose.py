@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.testing import multi_rank
+from shardwise.testing import multi_rank, run_on_ranks
 
 pytest.importorskip("transformers", reason="transformers is in the test extras")
 
@@ -186,3 +186,62 @@ def test_llama_with_tensor_parallel_layers_matches_pytorch():
     assert list(full) == list(ref_full)
     for k in full:
         assert torch.equal(full[k], ref_full[k]), k
+
+
+def _mixtral_steps(lib: str, path: str, resume: bool):
+    """Mixtral sharded by ``lib`` ("torch" or "shardwise"): two AdamW steps
+    from scratch then a DCP save to ``path`` (model and optimizer, through
+    torch's state-dict API), or a load from ``path`` then the next two steps.
+    Every world size sees the same global batch of 12 rows."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if lib == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from shardwise import fully_shard
+    model = _family("mixtral")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if resume:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    losses = []
+    for step in range(2, 4) if resume else range(2):
+        batch = torch.randint(0, 64, (12, 10), generator=torch.Generator().manual_seed(step))
+        ids = batch[dist.get_rank():: dist.get_world_size()]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    if not resume:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return losses, {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_mixtral_checkpoints_pass_between_libraries_and_world_sizes(tmp_path):
+    """A DCP checkpoint of Mixtral (model and AdamW state) saved at 2 ranks
+    under either library resumes at 3 ranks under either, where 4 experts
+    split unevenly (2, 2, 0): the losses and parameters are those of
+    PyTorch's fully_shard saving and resuming."""
+    saved = {}
+    for lib in ("torch", "shardwise"):
+        saved[lib] = run_on_ranks(_mixtral_steps, 2, lib=lib, path=str(tmp_path / lib), resume=False)[0]
+    resumed = {
+        (by, into): run_on_ranks(_mixtral_steps, 3, lib=into, path=str(tmp_path / by), resume=True)[0]
+        for by in ("torch", "shardwise") for into in ("torch", "shardwise")
+    }
+    for (losses, params), (ref_losses, ref_params) in (
+        (saved["shardwise"], saved["torch"]),
+        *((resumed[key], resumed[("torch", "torch")]) for key in resumed),
+    ):
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+        assert params.keys() == ref_params.keys()
+        for name, p in params.items():
+            assert torch.equal(p, ref_params[name]), name
