@@ -78,6 +78,14 @@ def _kill_self():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _crash_on_rank_1():
+    if dist.get_rank() == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    dist.barrier()
+
+
 def _replicate_grads_case():
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
@@ -298,6 +306,19 @@ def test_killed_worker_is_detected():
         run_on_ranks(_kill_self, 1, timeout=60.0)
     assert time.monotonic() - start < 5.0
     assert "---- rank 0 (died) ----\nworker process died (killed by SIGKILL)" in str(info.value)
+
+
+def test_crashed_worker_reports_where_it_crashed():
+    """A rank killed by a fatal signal (a segfault in native code) is reported
+    with the Python stack it died in (faulthandler), not only the signal."""
+    harness._get_pool(2)
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_crash_on_rank_1, 2, timeout=60.0)
+    text = str(info.value)
+    assert "---- rank 1 (died) ----\nworker process died (killed by SIGSEGV)\nPython stack at the time:" in text
+    assert "in _crash_on_rank_1" in text
+    assert "in _run_task" not in text  # the harness's own frames are dropped
+    assert run_on_ranks(_sleep, 2, seconds=0) == [None, None]  # a new pool serves the next task
 
 
 # ----------------------------------------------- process groups of a task

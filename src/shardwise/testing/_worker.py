@@ -57,7 +57,8 @@ def _trim_stack_dump(text: str) -> str:
 
 # --------------------------------------------------------------------------
 
-# Kept referenced: faulthandler writes to it when the parent sends SIGUSR1.
+# Kept referenced: faulthandler writes to it when the parent sends SIGUSR1,
+# and when the worker dies of a fatal signal (SIGSEGV, SIGABRT, ...).
 _stack_dump_file: Any = None
 
 
@@ -73,8 +74,9 @@ def _worker_main(
     # Ctrl-C reaches the whole process group; the parent handles it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(dump_path)
+    _stack_dump_file = open(dump_path, "w")
+    faulthandler.enable(file=_stack_dump_file, all_threads=True)
     if hasattr(signal, "SIGUSR1"):
-        _stack_dump_file = open(dump_path, "w")
         faulthandler.register(signal.SIGUSR1, file=_stack_dump_file, all_threads=True)
     try:
         os.environ.update(

@@ -510,7 +510,7 @@ class _Pool:
                 pending.discard(rank)
                 message = self._recv(rank)
                 if message is None:
-                    errors[rank] = _describe_exit(self._exitcode(rank))
+                    errors[rank] = self._death(rank)
                 elif message[0] == "startup-error":
                     errors[rank] = message[1]
                 elif message[0] != "ready":
@@ -586,7 +586,7 @@ class _Pool:
             try:
                 self._conns[rank].send_bytes(task)
             except OSError:
-                outcomes[rank] = (_DIED, _describe_exit(self._exitcode(rank)))
+                outcomes[rank] = (_DIED, self._death(rank))
                 pending.discard(rank)
 
         deadline = time.monotonic() + timeout
@@ -679,7 +679,7 @@ class _Pool:
         """Read rank's outcome for task ``seq``; None for a stale message."""
         message = self._recv(rank)
         if message is None:
-            return (_DIED, _describe_exit(self._exitcode(rank)))
+            return (_DIED, self._death(rank))
         if message[0] != "result" or message[1] != seq:
             return None
         _, _, status, payload = message
@@ -704,6 +704,18 @@ class _Pool:
             return message
         except (EOFError, OSError):
             return None
+
+    def _death(self, rank: int) -> str:
+        """How rank's process died; after a fatal signal (SIGSEGV, ...), with
+        the Python stacks faulthandler wrote as it died."""
+        text = _describe_exit(self._exitcode(rank))
+        try:
+            stack = _trim_stack_dump(Path(self._dump_paths[rank]).read_text(errors="replace"))
+        except (OSError, IndexError):
+            stack = ""
+        if stack:
+            text += "\nPython stack at the time:\n" + stack.rstrip()
+        return text
 
     def _exitcode(self, rank: int) -> int | None:
         """Exit code of rank's process, waiting briefly for it to be reaped."""
