@@ -709,10 +709,7 @@ class _Pool:
         """How rank's process died; after a fatal signal (SIGSEGV, ...), with
         the Python stacks faulthandler wrote as it died."""
         text = _describe_exit(self._exitcode(rank))
-        try:
-            stack = _trim_stack_dump(Path(self._dump_paths[rank]).read_text(errors="replace"))
-        except (OSError, IndexError):
-            stack = ""
+        stack = _trim_stack_dump(self._dump_text(rank))
         if stack:
             text += "\nPython stack at the time:\n" + stack.rstrip()
         return text
@@ -740,10 +737,7 @@ class _Pool:
         deadline = time.monotonic() + _STACK_DUMP_WAIT_S
         while asked and time.monotonic() < deadline:
             for rank in list(asked):
-                try:
-                    text = Path(self._dump_paths[rank]).read_text(errors="replace")
-                except OSError:
-                    text = ""
+                text = self._dump_text(rank)
                 if text:
                     stacks[rank] = text
                     asked.remove(rank)
@@ -752,11 +746,15 @@ class _Pool:
         if stacks:
             time.sleep(0.05)  # let a dump in progress finish, then reread
             for rank in stacks:
-                try:
-                    stacks[rank] = Path(self._dump_paths[rank]).read_text(errors="replace")
-                except OSError:
-                    pass
+                stacks[rank] = self._dump_text(rank) or stacks[rank]
         return {rank: _trim_stack_dump(text) for rank, text in stacks.items()}
+
+    def _dump_text(self, rank: int) -> str:
+        """What faulthandler has written to rank's stack-dump file ("" if nothing)."""
+        try:
+            return Path(self._dump_paths[rank]).read_text(errors="replace")
+        except (OSError, IndexError):
+            return ""
 
     def kill(self) -> None:
         """Kill every worker at once and release the pool's resources."""
