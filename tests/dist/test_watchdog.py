@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,8 +37,10 @@ class Run:
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                "SHARDWISE_TEST_FAULT": json.dumps({"dir": str(tmp), "faults": faults or []})}
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                    str(_free_port())] if torchrun else [sys.executable]
+        # --standalone: torchrun's store binds port 0, so no other process can take
+        # the port between our choosing it and torchrun binding it (EADDRINUSE, seen once in CI).
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] \
+            if torchrun else [sys.executable]
         tiny = TINY[2:] if torchrun else TINY  # torchrun's parser would take --nproc for its own (ambiguous)
         self.proc = subprocess.Popen([*launcher, "-m", "shardwise", "train", *tiny, *args], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -87,12 +88,6 @@ class Run:
                     pass
         if self.proc.poll() is None:
             self.proc.wait(10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _alive(pid: int) -> bool:
