@@ -1203,6 +1203,7 @@ class _TiedStacks(nn.Module):
         return self.head(self.encoder(x) + self.decoder(x) + self.shared(x))
 
 
+@needs_torch(2, 13, "ValueError for a parameter shared across groups (older versions raise nothing)")
 @multi_rank(world_sizes=(2,))
 def test_shared_parameter_error_names_what_pytorch_names():
     """A weight in two groups: the error at the first forward names the
