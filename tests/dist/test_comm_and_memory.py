@@ -367,6 +367,68 @@ def test_comm_buffers_are_reused_within_a_step_and_freed_after_backward():
     assert all(c < r for c, r in zip(counts, returned)), (counts, returned)  # reused within the step
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@multi_rank(world_sizes=(1, 2))
+def test_buffers_are_pooled_on_the_cpu_alone(precision):
+    """[Note: reused buffers]: on CUDA the caching allocator reuses freed
+    blocks itself, and a pooled buffer would only sit idle in
+    max_memory_allocated, so the pool keeps CPU buffers alone. Run as on CUDA
+    (``pool_as_on("cuda")``, as the planner runs a CUDA step) the pool hands
+    out fresh buffers and keeps none, at one rank (bf16 casts) and two; the
+    model trains bit for bit as with the pool, and as PyTorch's fully_shard."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as PTMP
+    from torch.distributed.fsdp import fully_shard as pt_fully_shard
+
+    from shardwise import MixedPrecisionPolicy
+    from shardwise._engine import collectives as coll
+    from shardwise.models import GPT, synthetic_batch
+
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    kept = []
+    orig_give = coll.BufferPool.give
+
+    def give(self, *buffers):
+        orig_give(self, *buffers)
+        kept.append(sum(len(free) for free in self._free.values()))
+
+    models = {}
+    for name, pool_as in (("pooled", None), ("as on cuda", "cuda")):
+        model, cfg = _model(mp=MixedPrecisionPolicy(param_dtype=dtype))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        kept.clear()
+        coll.BufferPool.give = give
+        try:
+            with coll.pool_as_on(pool_as) if pool_as else contextlib.nullcontext():
+                for seed in range(3):
+                    _step(model, cfg, seed=seed)
+                    opt.step()
+                    opt.zero_grad()
+        finally:
+            coll.BufferPool.give = orig_give
+        # one rank in fp32 gathers and reduces in place: no buffer at all
+        if precision == "bf16" or torch.distributed.get_world_size() > 1:
+            assert kept, "no buffer was given back"
+            assert (max(kept) > 0) is (pool_as is None), (name, kept)  # pooled on the CPU alone
+        models[name] = model
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    for block in ref.blocks:
+        pt_fully_shard(block, mp_policy=PTMP(param_dtype=dtype))
+    pt_fully_shard(ref, mp_policy=PTMP(param_dtype=dtype))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for seed in range(3):
+        x, y = synthetic_batch(cfg, 2, seed=seed, rank=torch.distributed.get_rank())
+        GPT.loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {n: p.full_tensor() for n, p in ref.named_parameters()}
+    for name, model in models.items():
+        got = {n: p.full_tensor() for n, p in model.named_parameters()}
+        assert got.keys() == want.keys()
+        for n in want:
+            assert torch.equal(got[n], want[n]), (name, n)
+
+
 @pytest.mark.parametrize("runs", [False, True])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @multi_rank(world_sizes=(2,))

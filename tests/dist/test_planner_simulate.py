@@ -306,16 +306,22 @@ def test_a_plan_for_cuda_counts_the_cublas_workspaces(monkeypatch):
     """On CUDA two cuBLAS workspaces (the forward's thread and autograd's)
     stand from the first step on; a plan for ``device="cuda"`` made where no
     GPU is visible counts PyTorch's Hopper default, or CUBLAS_WORKSPACE_CONFIG
-    as PyTorch parses it. Checked against max_memory_allocated in tests/gpu."""
+    as PyTorch parses it; and it runs the step without the buffer pool, which
+    the engine keeps on the CPU alone ([Note: reused buffers]). Checked
+    against max_memory_allocated in tests/gpu."""
+    from shardwise._engine.collectives import pool_as_on
     from shardwise.train.plan import cuda_workspace_bytes, plan_training, print_plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     settings = dict(nproc=2, batch_size=4, n_layers=2, dim=32, n_heads=2, vocab_size=256, seq_len=16)
     cpu = plan_training(TrainConfig(device="cpu", **settings))
+    with pool_as_on("cuda"):
+        unpooled = plan_training(TrainConfig(device="cpu", **settings))
     gpu = plan_training(TrainConfig(device="cuda", **settings))
     assert "cuda_workspaces" not in cpu.ranks[0].by_category
-    for a, b in zip(cpu.ranks, gpu.ranks):
+    assert cpu.ranks[0].peak_bytes > unpooled.ranks[0].peak_bytes  # idle pooled buffers at the CPU's peak
+    for a, b in zip(unpooled.ranks, gpu.ranks):
         assert b.peak_bytes == a.peak_bytes + 2 * 32 * 2**20
         assert b.by_category == {**a.by_category, "cuda_workspaces": 2 * 32 * 2**20}
         assert b.end_by_category["cuda_workspaces"] == 2 * 32 * 2**20

@@ -22,11 +22,19 @@ Within the backward, idle buffers of the blocks' sizes still stand while the
 root (of another size) reduces: with activation checkpointing they are most
 of that model's planned peak, a known cost of exact-size pooling (freeing
 them on a miss was tried and raised the plan's peak elsewhere; left open).
+The pool keeps CPU buffers only. On CUDA the caching allocator already hands
+a freed block to the next request of its size, without a system call, and
+can split it for smaller ones meanwhile, while a pooled buffer sits idle and
+counts in ``torch.cuda.max_memory_allocated``: pooling there measured 114 MiB
+(1.3%) above PyTorch's peak on an H200 at world size 1 (the root's and two
+blocks' bf16 casts), and saved no time. The planner's fake run, on CPU
+tensors, plans a CUDA step without the pool (:func:`pool_as_on`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -46,9 +54,31 @@ from shardwise.layout import FlatLayout
 T = TypeVar("T")
 
 
+# The device type whose pooling the pool follows, where not the buffers' own
+# (the planner's fake run of a CUDA step, on CPU tensors); see pool_as_on.
+_pool_as: str | None = None
+
+
+@contextmanager
+def pool_as_on(device_type: str) -> Iterator[None]:
+    """Within the block, every pool keeps buffers (or not) as it would on
+    ``device_type``, whatever device they are on: the planner runs a CUDA
+    step on fake CPU tensors ([Note: reused buffers])."""
+    global _pool_as
+    before, _pool_as = _pool_as, device_type
+    try:
+        yield
+    finally:
+        _pool_as = before
+
+
+def _pools(device: torch.device) -> bool:
+    return (_pool_as or device.type) == "cpu"
+
+
 class BufferPool:
     """Free communication buffers by (numel, dtype, device); see [Note: reused
-    buffers]. At most ``keep`` are kept per key."""
+    buffers]. At most ``keep`` are kept per key, and only CPU buffers."""
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
@@ -63,6 +93,8 @@ class BufferPool:
 
     def give(self, *buffers: torch.Tensor) -> None:
         for t in buffers:
+            if not _pools(t.device):
+                continue
             free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
             if len(free) < self.keep:
                 free.append(t)

@@ -37,6 +37,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from shardwise._engine.collectives import pool_as_on
 from shardwise.planner import CATEGORIES, COLLECTIVES, MemoryTracker, StepMemory, TimelinePoint
 from shardwise.planner.simulate import fake_world, rank_classes
 from shardwise.train.config import TrainConfig
@@ -242,7 +243,10 @@ def _simulate_rank(cfg: TrainConfig, world: int, micro: int, rank: int, steps: i
     """One rank's figures, and whether the repeated layers were counted on."""
 
     def run(c: TrainConfig) -> StepMemory:
-        with fake_world(world, rank) as mode:
+        # The engine pools buffers on the CPU alone ([Note: reused buffers]):
+        # a CUDA step, run here on fake CPU tensors, is run as on CUDA.
+        pooling = pool_as_on("cuda") if plans_cuda(cfg) else nullcontext()
+        with fake_world(world, rank) as mode, pooling:
             return run_tracked_steps(c, world, micro, steps=steps, mode=mode)
 
     if repeat and layers > REPEAT_RUN[-1]:
@@ -347,12 +351,17 @@ def plan_training(
 _CUBLAS_PAIR = re.compile(r":([0-9]+):([0-9]+)")
 
 
+def plans_cuda(cfg: TrainConfig) -> bool:
+    """Whether ``cfg`` trains on CUDA (``device="cuda"``, or ``"auto"`` where a GPU is visible)."""
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
 def cuda_workspace_bytes(cfg: TrainConfig) -> int:
     """The cuBLAS workspaces a rank of ``cfg`` holds on CUDA (0 on the CPU);
     see [Note: CUDA workspaces in the plan]."""
-    visible = torch.cuda.is_available()
-    if not (cfg.device == "cuda" or (cfg.device == "auto" and visible)):
+    if not plans_cuda(cfg):
         return 0
+    visible = torch.cuda.is_available()
     pairs = _CUBLAS_PAIR.findall(os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
     if pairs:
         each = sum(int(size) * int(count) for size, count in pairs) * 1024
