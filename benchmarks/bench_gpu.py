@@ -20,6 +20,11 @@ CUDA device, in one process (one launch):
 ``--float8`` converts the FSDP configs' linears (not the head) to torchao's
 float8 training with float8 all-gathers (``enable_fsdp_float8_all_gather``).
 
+``--gather-copies`` makes ``shardwise_nccl``'s all-gathers send a copy of
+their input: at world size 1 an all-gather in place moves nothing, and with a
+copy NCCL moves the bytes on its own stream, so the trace shows where the
+prefetched all-gathers run against compute.
+
 ``--compile`` compiles every block in place (``block.compile()``, inductor)
 after wrapping, as torchtitan does; the warm-up steps absorb compilation.
 
@@ -101,15 +106,19 @@ def build(config: str, cfg: GPTConfig, args: argparse.Namespace) -> tuple[torch.
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     if config == "shardwise_nccl":
-        _issue_collectives(model)
+        _issue_collectives(model, copies=args.gather_copies)
     # Offloaded shards step on the CPU (as PyTorch documents); else fused CUDA AdamW.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not offload)
     return model, opt, False
 
 
-def _issue_collectives(model: torch.nn.Module) -> None:
+def _issue_collectives(model: torch.nn.Module, copies: bool = False) -> None:
     """Install user collectives that call NCCL as the defaults do, so that a
-    one-rank run issues them (shardwise skips its own there)."""
+    one-rank run issues them (shardwise skips its own there). With ``copies``
+    each all-gather sends a copy of its input, not its output's own row: at
+    one rank NCCL then moves the bytes (a device copy on its stream) instead
+    of nothing, so that a trace shows where the all-gathers run against
+    compute, as they would move bytes on two GPUs or more."""
     from shardwise import AllGather, FSDPModule, ReduceScatter
     from shardwise.comm import all_gather_tensor, reduce_scatter_tensor
 
@@ -119,7 +128,8 @@ def _issue_collectives(model: torch.nn.Module) -> None:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                      async_op: bool = False) -> Any:
-            return all_gather_tensor(output_tensor, input_tensor, group, async_op)
+            source = input_tensor.clone() if copies else input_tensor
+            return all_gather_tensor(output_tensor, source, group, async_op)
 
     class Scatter(ReduceScatter):
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -326,6 +336,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="compile every block (module.compile(), inductor)")
+    p.add_argument("--gather-copies", action="store_true",
+                   help="shardwise_nccl's all-gathers send a copy of their input, so that at one rank NCCL moves "
+                        "bytes the trace can show against compute")
     p.add_argument("--float8", action="store_true",
                    help="FSDP configs: torchao float8 linears with float8 all-gathers (needs torchao)")
     p.add_argument("--json", type=Path)
