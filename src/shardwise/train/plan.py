@@ -245,7 +245,7 @@ def _simulate_rank(cfg: TrainConfig, world: int, micro: int, rank: int, steps: i
     def run(c: TrainConfig) -> StepMemory:
         # The engine pools buffers on the CPU alone ([Note: reused buffers]):
         # a CUDA step, run here on fake CPU tensors, is run as on CUDA.
-        pooling = pool_as_on("cuda") if plans_cuda(cfg) else nullcontext()
+        pooling = pool_as_on("cuda") if plans_cuda(c) else nullcontext()
         with fake_world(world, rank) as mode, pooling:
             return run_tracked_steps(c, world, micro, steps=steps, mode=mode)
 
