@@ -1079,6 +1079,15 @@ class _ViewOut(nn.Module):
         return self.lin(x).view(-1)
 
 
+class _ViewsOut(_ViewOut):
+    """Three views (one nested in a dict, one twice) beside a plain tensor."""
+
+    def forward(self, x):
+        y = self.lin(x)
+        v = y[:, :4]
+        return v, y * 2, {"t": y.t(), "again": v}
+
+
 @needs_torch(2, 13, "warning for a module returning a view")
 @multi_rank(world_sizes=(2,))
 def test_view_output_warns_like_torch():
@@ -1092,14 +1101,16 @@ def test_view_output_warns_like_torch():
                 warnings.simplefilter("always")
                 m(_x(0))
             runs.append([(w.category, str(w.message)) for w in caught if "view tensor" in str(w.message)])
-        plain = fs(nn.Linear(8, 8))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            plain(_x(0))
-        runs.append([str(w.message) for w in caught if "view tensor" in str(w.message)])
+        for module in (nn.Linear(8, 8), _ViewsOut()):  # no view; a view per output that is one
+            wrapped = fs(module)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                wrapped(_x(0))
+            runs.append([str(w.message) for w in caught if "view tensor" in str(w.message)])
         got[name] = runs
     assert got["sw"] == got["pt"]
-    assert len(got["sw"][0]) == 1 and got["sw"][1:] == [[], []]
+    assert len(got["sw"][0]) == 1 and got["sw"][1:3] == [[], []]
+    assert len(got["sw"][3]) == 3  # PyTorch warns once per view it returns
 
 
 # ---------------------------------------------------------------------------

@@ -357,8 +357,10 @@ class ModuleState:
 
     def _register_pre_backward(self, output: Any) -> None:
         tensors = _tensors_requiring_grad(output)
-        if self.warn_view_outputs and any(t._base is not None for t in tensors):
-            self._warn_view_output()
+        if self.warn_view_outputs:
+            for t in tensors:  # once per view, as PyTorch warns
+                if t._base is not None:
+                    self._warn_view_output()
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
 
