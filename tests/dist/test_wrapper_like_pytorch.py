@@ -604,9 +604,62 @@ def test_full_state_dict_configs_like_pytorch(use_orig_params):
     with shardwise.FullyShardedDataParallel.state_dict_type(o, shardwise.StateDictType.FULL_STATE_DICT, shardwise.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
         so2 = o.state_dict()
     if dist.get_rank() == 0:
-        assert _cmp(so2, so) == [] if False else all(type(v) is torch.Tensor and v.device.type == "cpu" for v in so2.values())
+        assert all(type(v) is torch.Tensor and v.device.type == "cpu" for v in so2.values())
     else:
         assert so2 == {}
+
+
+# FSDP1's words (its _unshard_param_utils), where full parameters are copied to
+# the CPU on every rank.
+_CPU_COPIES = (
+    "offload_to_cpu=True and rank0_only=False may result in theunsharded parameters being redundantly copied to "
+    "CPU memory for GPUs sharing the same CPU memory, which risks CPU OOM. We recommend using offload_to_cpu=True "
+    "with rank0_only=True."
+)
+
+
+@multi_rank(world_sizes=(2,))
+def test_cpu_copies_on_every_rank_warn_in_pytorchs_words():
+    """``offload_to_cpu=True`` without ``rank0_only`` copies the full parameters
+    to the CPU on every rank: FSDP1 warns, in the words above, each time it
+    checks the arguments: once per wrapper with parameters for a
+    FULL_STATE_DICT, twice per wrapper (summon, then unshard) for
+    ``summon_full_params``. (Its CPU/gloo path then fails, so the counts
+    follow its code and are checked on ours alone.) Not with ``rank0_only``,
+    nor without ``offload_to_cpu``."""
+    import warnings
+
+    import shardwise
+    import shardwise.wrap as swrap
+    from shardwise import FullyShardedDataParallel as FSDP
+
+    o = FSDP(_base(), auto_wrap_policy=swrap.ModuleWrapPolicy({Block}), use_orig_params=True)
+    o(torch.randn(4, 8)).sum().backward()
+    wrappers = FSDP.fsdp_modules(o)
+    assert len(wrappers) == 3 and all(any(True for _ in w.parameters()) for w in wrappers)
+
+    def warned(call):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        return [str(w.message) for w in caught if "offload_to_cpu" in str(w.message)]
+
+    def state_dict(offload, rank0_only):
+        cfg = shardwise.FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)
+        with FSDP.state_dict_type(o, shardwise.StateDictType.FULL_STATE_DICT, cfg):
+            o.state_dict()
+
+    def summon(**kw):
+        with FSDP.summon_full_params(o, **kw):
+            pass
+
+    assert warned(lambda: state_dict(True, False)) == [_CPU_COPIES] * 3
+    assert warned(lambda: summon(offload_to_cpu=True)) == [_CPU_COPIES] * 6
+    assert warned(lambda: summon(offload_to_cpu=True, recurse=False)) == [_CPU_COPIES] * 2
+    assert warned(lambda: state_dict(True, True)) == []
+    assert warned(lambda: state_dict(False, False)) == []
+    assert warned(lambda: summon(offload_to_cpu=True, rank0_only=True, writeback=False)) == []
+    assert warned(lambda: summon()) == []
 
 
 @pytest.mark.parametrize("api", ["optim_state_dict", "full_optim_state_dict"])

@@ -28,6 +28,7 @@ load a sharded dict saved under another world size, read it with
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol, cast
@@ -241,10 +242,29 @@ def _save_value(
     return value
 
 
+def warn_cpu_copies_on_every_rank() -> None:
+    """FSDP1's warning (its words) where full parameters are copied to the CPU
+    on every rank: ``offload_to_cpu=True`` without ``rank0_only``."""
+    warnings.warn(
+        "offload_to_cpu=True and rank0_only=False may result in the"
+        "unsharded parameters being redundantly copied to CPU memory for "
+        "GPUs sharing the same CPU memory, which risks CPU OOM. We "
+        "recommend using offload_to_cpu=True with rank0_only=True.",
+        stacklevel=3,
+    )
+
+
 def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     wrapper = cast(WrapperState, module)
     settings = wrapper._state_dict_settings
     kind, cfg = settings.state_dict_type, settings.state_dict_config
+    if (
+        kind == StateDictType.FULL_STATE_DICT
+        and cfg.offload_to_cpu
+        and not getattr(cfg, "rank0_only", False)
+        and wrapper._group is not None
+    ):
+        warn_cpu_copies_on_every_rank()  # once per wrapper with parameters, as FSDP1
     inner_prefix = prefix + _SEGMENT
     own = _own_by_key(wrapper)
     drop = (

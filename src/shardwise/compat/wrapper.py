@@ -74,6 +74,7 @@ from .state_dict import (
     local_chunk,
     register_state_dict_hooks,
     set_state_dict_type,
+    warn_cpu_copies_on_every_rank,
 )
 from .strategies import (
     HYBRID_STRATEGIES,
@@ -842,6 +843,11 @@ class FullyShardedDataParallel(nn.Module):
                 "summon_full_params(rank0_only=True, writeback=True) is not supported: the other ranks "
                 "hold only shards, so writing back would make ranks disagree. Pass writeback=False."
             )
+        if offload_to_cpu and not rank0_only:
+            # FSDP1 checks each wrapper's arguments twice (summon, then unshard), warning each time.
+            units = FullyShardedDataParallel.fsdp_modules(module) if recurse else [module] if is_wrapper(module) else []
+            for _ in range(2 * len(units)):
+                warn_cpu_copies_on_every_rank()
         roots = FullyShardedDataParallel.fsdp_modules(module, root_only=True)
         targets: list[nn.Module] = list(roots) if recurse else [r._fsdp_unit for r in roots]
         groups = [
