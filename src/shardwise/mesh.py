@@ -381,9 +381,10 @@ def resolve_reshard_after_forward(value: object, info: MeshInfo) -> bool | int:
             f"factors ({_factors(info.shard_size)})."
         )
     if value == 1:
-        _log_once(
-            "reshard_after_forward=1 (an int: regather over 1 rank) keeps every parameter whole after "
-            "forward, the same as reshard_after_forward=False (a bool), which is used."
+        _log_once(  # PyTorch's words first
+            "reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
+            "reshard_after_forward=True (bool): every parameter stays whole after forward, as with "
+            "reshard_after_forward=False, which is used."
         )
         return False
     if value == info.shard_size:

@@ -167,6 +167,45 @@ def test_reshard_after_forward_int_with_hsdp(shape, raf):
 
 
 @multi_rank(world_sizes=(2,))
+def test_reshard_after_forward_one_logs_pytorchs_words():
+    """reshard_after_forward=1 is resharding to one rank, i.e. keeping the
+    parameters whole: both libraries log a note (once per process, a log
+    record, not a warning) and ours starts with PyTorch's words."""
+    import logging
+
+    import torch._logging._internal as torch_logging
+
+    import shardwise.mesh
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append((record.name, record.levelname, record.getMessage()))
+
+    handler = Keep()
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.fsdp.fully_shard", "shardwise")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        got = {}
+        for name, fs in (("torch", _pt()), ("shardwise", _sw())):
+            torch_logging.warning_once.cache_clear()  # once per process: earlier tasks may have logged it
+            shardwise.mesh._log_once.cache_clear()
+            records.clear()
+            for _ in range(2):
+                fs(Net(), reshard_after_forward=1)
+            got[name] = list(records)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    (theirs,), (ours,) = got["torch"], got["shardwise"]
+    assert theirs[:2] == ("torch.distributed.fsdp.fully_shard", "WARNING"), theirs
+    assert ours[:2] == ("shardwise", "WARNING"), ours
+    assert ours[2].startswith(theirs[2]) and ours[2] != theirs[2], (ours, theirs)
+
+
+@multi_rank(world_sizes=(2,))
 def test_pytorch_policy_objects_act_as_ours():
     """Code that imports fully_shard from shardwise and its policies from
     torch.distributed.fsdp: PyTorch's MixedPrecisionPolicy, CPUOffloadPolicy
