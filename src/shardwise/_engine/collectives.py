@@ -27,8 +27,9 @@ a freed block to the next request of its size, without a system call, and
 can split it for smaller ones meanwhile, while a pooled buffer sits idle and
 counts in ``torch.cuda.max_memory_allocated``: pooling there measured 114 MiB
 (1.3%) above PyTorch's peak on an H200 at world size 1 (the root's and two
-blocks' bf16 casts), and without it the step time stayed within noise. The planner's fake run, on CPU
-tensors, plans a CUDA step without the pool (:func:`pool_as_on`).
+blocks' bf16 casts), and without it the step time stayed within noise. The
+planner's fake run, on CPU tensors, plans a CUDA step without the pool
+(:func:`pool_as_on`).
 """
 
 from __future__ import annotations

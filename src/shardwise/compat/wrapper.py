@@ -845,8 +845,11 @@ class FullyShardedDataParallel(nn.Module):
             )
         if offload_to_cpu and not rank0_only:
             # FSDP1 checks each wrapper's arguments twice (summon, then unshard), warning each time.
-            units = FullyShardedDataParallel.fsdp_modules(module) if recurse else [module] if is_wrapper(module) else []
-            for _ in range(2 * len(units)):
+            if recurse:
+                units = len(FullyShardedDataParallel.fsdp_modules(module))
+            else:
+                units = 1 if is_wrapper(module) else 0
+            for _ in range(2 * units):
                 warn_cpu_copies_on_every_rank()
         roots = FullyShardedDataParallel.fsdp_modules(module, root_only=True)
         targets: list[nn.Module] = list(roots) if recurse else [r._fsdp_unit for r in roots]
