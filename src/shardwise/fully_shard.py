@@ -210,9 +210,9 @@ class FSDPModule:
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many gradient reduce-scatters may be in flight while backward goes
         on (the memory <-> overlap dial). (Default: ``1``; by default, small
-        groups' reduce-scatters over two gloo ranks wait, up to 1 MiB of
-        gathered parameters' worth, to travel with the next prefetch; once
-        this is set they keep to it.)
+        groups' reduce-scatters over gloo stay in flight up to 1 MiB of
+        gathered parameters' worth, over two ranks held back to travel with
+        the next prefetch; once this is set they keep to it.)
 
         Args:
             max_input_buffers: at least 1.

@@ -506,6 +506,61 @@ def test_reduce_scatters_travel_with_the_next_all_gather(precision, runs):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@multi_rank(world_sizes=(4,))
+def test_small_gathers_travel_in_runs_over_four_ranks(precision):
+    """[Note: held-back exchanges] over more than two ranks: a prefetch run's
+    small all-gathers are held and go as one gloo all-gather of their parts
+    side by side (bf16 gathers beside fp32 reductions); reduce-scatters stay
+    gloo's, one each. Training stays bit for bit PyTorch's, and no packed
+    buffer is kept after a step."""
+    import torch.distributed as dist
+    from fsdp_reference import shard_blocks
+
+    import shardwise.comm as comm
+    from shardwise.models import GPT, GPTConfig, synthetic_batch
+
+    n = 5
+    cfg = GPTConfig(vocab_size=32, seq_len=8, dim=16, n_layers=n, n_heads=2)
+    models = []
+    for lib in ("shardwise", "torch"):
+        torch.manual_seed(0)
+        models.append(shard_blocks(GPT(cfg), lib, precision))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    sent = []
+    real = comm._send_gathers
+
+    def counting(group, parcels):
+        sent.append(len(parcels))
+        return real(group, parcels)
+
+    comm._send_gathers = counting
+    try:
+        for step in range(3):
+            x, y = synthetic_batch(cfg, 2, seed=step, rank=dist.get_rank())
+            losses = []
+            for i, (model, opt) in enumerate(zip(models, opts)):
+                sent.clear()
+                loss = GPT.loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss)
+                if i == 0:
+                    # forward: the root's gather with its run of every block
+                    # (the first forward records the order: one a group);
+                    # backward: every block in one run (the root stays gathered)
+                    assert sent == ([n + 1] if step else [1] * (n + 1)) + [n], (step, sent)
+                    assert comm._Flight.live == 0 and not comm._Flight.spare  # none kept
+                else:
+                    assert not sent  # PyTorch's FSDP calls gloo's collectives
+            assert torch.equal(losses[0], losses[1]), (step, losses)
+    finally:
+        comm._send_gathers = real
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+
+
 @multi_rank(world_sizes=(2,))
 def test_user_collectives_between_held_exchanges():
     """[Note: held-back exchanges]: a user's collective over the same group

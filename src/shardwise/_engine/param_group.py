@@ -349,7 +349,7 @@ class ParamGroup:
         """The bytes of the all-gather this group would issue now, when that may
         travel with others' in a prefetch run ([Note: prefetch runs]): not
         issued yet, the fast path's one gather with the default collective
-        over two gloo ranks, from its shards (not post-forward shards)."""
+        over gloo, from its shards (not post-forward shards)."""
         if (
             not self.settings.prefetch_runs or not self.plan.fast or self.flat_sharded is None
             or self.sharded_state != ShardedState.SHARDED or self._in_flight is not None

@@ -1,7 +1,7 @@
 """Which groups an implicit prefetch takes.
 
 [Note: prefetch runs]
-Over two gloo ranks an exchange costs mostly a fixed amount (see [Note:
+Over gloo a small collective costs mostly a fixed amount (see [Note:
 held-back exchanges] in ``comm.py``), so for groups small enough the
 implicit prefetch takes a run of them: the next group and those after it
 (the ones before it, in backward) while their gathered bytes stay within
@@ -14,10 +14,12 @@ next run instead of each being sent alone when the queue waits for it.
 Bounded by ``_RUN_BYTES``, this holds at most that many bytes more of
 unsharded parameters than the one-ahead prefetch (gathered early, used in
 order), and as many of reductions waiting. Only groups on the fast path with
-the default all-gather over two gloo ranks take part (``run_bytes``); with
-an explicit prefetch list, for groups that have one, and under the wrapper
-(FSDP1's ``limit_all_gathers``: at most two groups gathered) it is one group
-ahead as before.
+the default all-gather over gloo take part (``run_bytes``). Over more than
+two ranks a run's all-gathers travel together, its reduce-scatters do not
+(they stay gloo's, each sent as it is issued). With an explicit prefetch
+list, for groups that have one, and under the wrapper (FSDP1's
+``limit_all_gathers``: at most two groups gathered) it is one group ahead
+as before.
 """
 
 from __future__ import annotations
