@@ -109,6 +109,8 @@ def all_gather_tensor(
     # from _IN_PLACE_MIN_BYTES, or held to travel in a run when small
     held = _together and input_tensor.numel() * input_tensor.element_size() <= _HOLD_MAX_BYTES
     min_bytes = 0 if group is not None and (group.size() == 2 or held) else _IN_PLACE_MIN_BYTES
+    if _together and not held and group is not None and group.size() > 2:
+        _send_held(group)  # what is held goes first, as over two ranks
     if all_gather is _ORIGINAL_AG and _in_place_gloo(group, output_tensor, input_tensor, min_bytes):
         return _finish(gloo_all_gather(output_tensor, input_tensor, group), async_op)
     return cast("WorkHandle | None", all_gather(output_tensor, input_tensor, group=group, async_op=async_op))

@@ -561,6 +561,46 @@ def test_small_gathers_travel_in_runs_over_four_ranks(precision):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
+@multi_rank(world_sizes=(4,))
+def test_held_gathers_go_before_a_large_one_over_four_ranks():
+    """Inside ``exchanges_together`` over four gloo ranks, small all-gathers are
+    held; a large one issued after them sends them first (as over two ranks),
+    so the gather waited for first is not queued behind the large one. Every
+    output is what gloo's all-gather gives."""
+    import torch.distributed as dist
+
+    import shardwise.comm as comm
+
+    group, rank = dist.group.WORLD, dist.get_rank()
+    sizes = [1000, 3000, (1 << 20) // 4 + 8, 50]  # fp32 elements per rank: two small, one large, one small
+    inputs = [torch.arange(n, dtype=torch.float32) + 1e4 * rank + i for i, n in enumerate(sizes)]
+    outputs = [torch.empty(4 * n) for n in sizes]
+    events = []
+    real_send, real_broadcast = comm._send_gathers, dist.broadcast
+
+    def send(g, parcels):
+        events.append(("packed", len(parcels)))
+        return real_send(g, parcels)
+
+    def broadcast(*args, **kwargs):
+        events.append(("broadcast", 1))
+        return real_broadcast(*args, **kwargs)
+
+    comm._send_gathers, dist.broadcast = send, broadcast
+    try:
+        with comm.exchanges_together():
+            works = [comm.all_gather_tensor(o, x, group, async_op=True) for o, x in zip(outputs, inputs)]
+        for work in works:
+            work.wait()
+    finally:
+        comm._send_gathers, dist.broadcast = real_send, real_broadcast
+    assert events == [("packed", 2)] + [("broadcast", 1)] * 4 + [("packed", 1)], events
+    for o, x in zip(outputs, inputs):
+        want = torch.empty_like(o)
+        dist.all_gather_into_tensor(want, x)
+        assert torch.equal(o, want)
+
+
 @multi_rank(world_sizes=(2,))
 def test_user_collectives_between_held_exchanges():
     """[Note: held-back exchanges]: a user's collective over the same group
