@@ -468,6 +468,8 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     rows = output.view(size, -1)
     if rows.shape[1] != input.numel():
         raise ValueError(f"all-gather output of {output.numel()} elements for {size} ranks of {input.numel()}")
+    if not input.numel():
+        return _Works([])
     if size > 2 and _together and input.numel() * input.element_size() <= _HOLD_MAX_BYTES:
         # held to travel with the others of a run; every row is copied out
         parcel = _Parcel(group, input.view(-1), rows)
@@ -475,8 +477,6 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
         _gathers_held.append(group)
         return _Works([parcel])
     rows[me].copy_(input.view(-1))
-    if not input.numel():
-        return _Works([])
     if size == 2:
         if _together:
             _gathers_held.append(group)
