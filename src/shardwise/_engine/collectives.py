@@ -34,12 +34,14 @@ planner's fake run, on CPU tensors, plans a CUDA step without the pool
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
 
 from shardwise.comm import (
     AllGather,
@@ -140,6 +142,32 @@ class ReduceScatterResult(NamedTuple):
     input: torch.Tensor
     flat: FlatLayout  # where each gradient's shard sits in ``output``
     pooled: tuple[torch.Tensor, ...]  # buffers to give back once it completed
+
+
+# [Note: gathers outside selective checkpointing]
+# Selective activation checkpointing records every op its region's forward
+# runs (``_CachingTorchDispatchMode``) and, in the recompute, refuses any op
+# it did not see there, by op and count (``_CachedTorchDispatchMode``). Where
+# a group is gathered depends on prefetching: in a forward, a block inside
+# the region may have been gathered outside it (the root's prefetch, or a
+# run of small groups), while in the recompute, which the backward can reach
+# before that block's pre-backward, the same block is gathered inside it. So
+# a group's unshard in its pre-forward (issuing, waiting, copying out) runs
+# outside those two modes, as none of it is the region's computation. Only
+# those modes are set aside, and only while they are innermost: a mode
+# around the region (``CommDebugMode`` counting collectives) still sees
+# every collective. PyTorch's FSDP issues its gathers inside the region and
+# fails there (a test drives both).
+_CHECKPOINT_MODES = ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+
+
+def outside_checkpoint_modes() -> contextlib.ExitStack:
+    """Set aside selective checkpointing's innermost dispatch modes, if any,
+    until the block ends ([Note: gathers outside selective checkpointing])."""
+    stack = contextlib.ExitStack()
+    while (modes := _get_current_dispatch_mode_stack()) and type(modes[-1]).__name__ in _CHECKPOINT_MODES:
+        stack.enter_context(_pop_mode_temporarily())
+    return stack
 
 
 def is_default(comm: Comm) -> bool:

@@ -703,12 +703,13 @@ class ParamGroup:
         targets = self.settings.forward_prefetch
         if targets is None:
             targets = self.ctx.forward_prefetch(self)
-        with exchanges_together():
-            self.unshard(async_op=True)
-            for target in targets:
-                if target.training_state == TrainingState.IDLE:
-                    target.prefetch()
-        self.wait_for_unshard()
+        with coll.outside_checkpoint_modes():  # [Note: gathers outside selective checkpointing]
+            with exchanges_together():
+                self.unshard(async_op=True)
+                for target in targets:
+                    if target.training_state == TrainingState.IDLE:
+                        target.prefetch()
+            self.wait_for_unshard()
         self._register_unsharded()
 
     def post_forward(self) -> None:
