@@ -156,8 +156,9 @@ class ReduceScatterResult(NamedTuple):
 # outside those two modes, as none of it is the region's computation. Only
 # those modes are set aside, and only while they are innermost: a mode
 # around the region (``CommDebugMode`` counting collectives) still sees
-# every collective. PyTorch's FSDP issues its gathers inside the region and
-# fails there (a test drives both).
+# every collective. PyTorch's FSDP issues its gathers inside the region, one
+# group ahead, and trains the case that failed here before
+# (``test_selective_checkpointing_recomputes_before_the_blocks_pre_backward``).
 _CHECKPOINT_MODES = ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
 
 
