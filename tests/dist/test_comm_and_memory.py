@@ -443,24 +443,13 @@ def test_reduce_scatters_travel_with_the_next_all_gather(precision, runs):
     until the end of the backward (no run is left to carry them). Training stays bit for bit
     PyTorch's. The packed exchanges' buffers serve again within a backward
     and none is kept after it."""
-    import torch.distributed as dist
-    from fsdp_reference import shard_blocks
-
     import shardwise._engine.prefetch as pg
     import shardwise.comm as comm
-    from shardwise.models import GPT, GPTConfig, synthetic_batch
 
     run_bytes = pg._RUN_BYTES
     if not runs:
         pg._RUN_BYTES = 0
-
     n = 5
-    cfg = GPTConfig(vocab_size=32, seq_len=8, dim=16, n_layers=n, n_heads=2)
-    models = []
-    for lib in ("shardwise", "torch"):
-        torch.manual_seed(0)
-        models.append(shard_blocks(GPT(cfg), lib, precision))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     sent = []
     real = comm._exchange
 
@@ -468,40 +457,63 @@ def test_reduce_scatters_travel_with_the_next_all_gather(precision, runs):
         sent.append(send)  # held: a fresh buffer cannot take a freed one's id
         return real(send, recv, group)
 
+    def check(step):
+        if not runs:
+            # after the first forward recorded the order, the root's
+            # gather and its prefetch of block 0 travel together
+            later = int(step > 0)
+            assert len(sent) == 2 * n + 3 - later, (step, len(sent))
+            packed = [t for t in sent if t.dtype == torch.uint8]
+            assert len(packed) == n - 1 + later, [t.dtype for t in sent]
+            assert len({id(t) for t in packed}) < len(packed)  # buffers reused
+        else:
+            # forward: one exchange (the first forward records the
+            # order: one a group); backward: the blocks' gathers in
+            # one run, then every reduce-scatter together at its end
+            assert len(sent) == (n + 1 if step == 0 else 1) + 2, (step, len(sent))
+            assert all(t.dtype == torch.uint8 for t in sent[-2:]), [t.dtype for t in sent]
+        assert comm._Flight.live == 0 and not comm._Flight.spare  # none kept
+
     comm._exchange = counting
     try:
-        for step in range(3):
-            x, y = synthetic_batch(cfg, 2, seed=step, rank=dist.get_rank())
-            losses = []
-            for i, (model, opt) in enumerate(zip(models, opts)):
-                sent.clear()
-                loss = GPT.loss(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss)
-                if i == 0 and not runs:
-                    # after the first forward recorded the order, the root's
-                    # gather and its prefetch of block 0 travel together
-                    later = int(step > 0)
-                    assert len(sent) == 2 * n + 3 - later, (step, len(sent))
-                    packed = [t for t in sent if t.dtype == torch.uint8]
-                    assert len(packed) == n - 1 + later, [t.dtype for t in sent]
-                    assert len({id(t) for t in packed}) < len(packed)  # buffers reused
-                    assert comm._Flight.live == 0 and not comm._Flight.spare  # none kept
-                elif i == 0:
-                    # forward: one exchange (the first forward records the
-                    # order: one a group); backward: the blocks' gathers in
-                    # one run, then every reduce-scatter together at its end
-                    assert len(sent) == (n + 1 if step == 0 else 1) + 2, (step, len(sent))
-                    assert all(t.dtype == torch.uint8 for t in sent[-2:]), [t.dtype for t in sent]
-                    assert comm._Flight.live == 0 and not comm._Flight.spare  # none kept
-                else:
-                    assert not sent  # PyTorch's FSDP calls gloo's collectives
-            assert torch.equal(losses[0], losses[1]), (step, losses)
+        _train_blocks_alike(precision, n, sent, check)
     finally:
         comm._exchange = real
         pg._RUN_BYTES = run_bytes
+
+
+def _train_blocks_alike(precision, n, sent, check):
+    """Train an n-block GPT under shardwise's and PyTorch's ``fully_shard`` alike
+    for 3 steps. ``sent`` (what a test records of shardwise's collectives) is
+    cleared before each model's step; ``check(step)`` runs after shardwise's,
+    and ``sent`` stays empty through PyTorch's (it calls gloo's collectives).
+    Losses and parameters are equal bit for bit."""
+    import torch.distributed as dist
+    from fsdp_reference import shard_blocks
+
+    from shardwise.models import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, dim=16, n_layers=n, n_heads=2)
+    models = []
+    for lib in ("shardwise", "torch"):
+        torch.manual_seed(0)
+        models.append(shard_blocks(GPT(cfg), lib, precision))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for step in range(3):
+        x, y = synthetic_batch(cfg, 2, seed=step, rank=dist.get_rank())
+        losses = []
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            sent.clear()
+            loss = GPT.loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+            if i == 0:
+                check(step)
+            else:
+                assert not sent
+        assert torch.equal(losses[0], losses[1]), (step, losses)
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
@@ -514,19 +526,9 @@ def test_small_gathers_travel_in_runs_over_four_ranks(precision):
     side by side (bf16 gathers beside fp32 reductions); reduce-scatters stay
     gloo's, one each. Training stays bit for bit PyTorch's, and no packed
     buffer is kept after a step."""
-    import torch.distributed as dist
-    from fsdp_reference import shard_blocks
-
     import shardwise.comm as comm
-    from shardwise.models import GPT, GPTConfig, synthetic_batch
 
     n = 5
-    cfg = GPTConfig(vocab_size=32, seq_len=8, dim=16, n_layers=n, n_heads=2)
-    models = []
-    for lib in ("shardwise", "torch"):
-        torch.manual_seed(0)
-        models.append(shard_blocks(GPT(cfg), lib, precision))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     sent = []
     real = comm._send_gathers
 
@@ -534,31 +536,18 @@ def test_small_gathers_travel_in_runs_over_four_ranks(precision):
         sent.append(len(parcels))
         return real(group, parcels)
 
+    def check(step):
+        # forward: the root's gather with its run of every block (the first
+        # forward records the order: one a group); backward: every block in
+        # one run (the root stays gathered)
+        assert sent == ([n + 1] if step else [1] * (n + 1)) + [n], (step, sent)
+        assert comm._Flight.live == 0 and not comm._Flight.spare  # none kept
+
     comm._send_gathers = counting
     try:
-        for step in range(3):
-            x, y = synthetic_batch(cfg, 2, seed=step, rank=dist.get_rank())
-            losses = []
-            for i, (model, opt) in enumerate(zip(models, opts)):
-                sent.clear()
-                loss = GPT.loss(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss)
-                if i == 0:
-                    # forward: the root's gather with its run of every block
-                    # (the first forward records the order: one a group);
-                    # backward: every block in one run (the root stays gathered)
-                    assert sent == ([n + 1] if step else [1] * (n + 1)) + [n], (step, sent)
-                    assert comm._Flight.live == 0 and not comm._Flight.spare  # none kept
-                else:
-                    assert not sent  # PyTorch's FSDP calls gloo's collectives
-            assert torch.equal(losses[0], losses[1]), (step, losses)
+        _train_blocks_alike(precision, n, sent, check)
     finally:
         comm._send_gathers = real
-    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-        assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
 @multi_rank(world_sizes=(4,))

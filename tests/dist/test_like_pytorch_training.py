@@ -759,40 +759,16 @@ def test_selective_checkpointing_over_sharded_blocks_matches_torch():
     _train_compare(a, b, steps=3)
 
 
-class SelectiveSpanTailNet(Net):
+@multi_rank(world_sizes=(2, 4))
+def test_selective_checkpointing_recomputes_before_the_blocks_pre_backward():
     """Selective checkpointing over three blocks, the last of them left to the
     root: the backward reaches the region's recompute through that block,
     before the sharded blocks' pre-backward, so the recompute gathers a block
-    the forward may have gathered outside the region (the root's prefetch)."""
-
-    def __init__(self):
-        super().__init__(n=3)
-
-    def forward(self, x):
-        import functools
-
-        from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-        saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-
-        def policy(ctx, op, *args, **kwargs):
-            return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-        def span(h):
-            for b in self.blocks:
-                h = b(h)
-            return h
-
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-        return self.out(checkpoint(span, self.inp(x), use_reentrant=False, context_fn=context_fn))
-
-
-@multi_rank(world_sizes=(2, 4))
-def test_selective_checkpointing_recomputes_before_the_blocks_pre_backward():
-    """Found by the activation-checkpointing fuzzer at four ranks, once small
-    groups' gathers travelled in runs there: PyTorch trains, and so must we."""
+    the forward gathered outside the region (the root's prefetch). Found by
+    the activation-checkpointing fuzzer at four ranks: PyTorch trains, and
+    so must we."""
     torch.manual_seed(0)
-    a = SelectiveSpanTailNet()
+    a = SelectiveSpanNet(n=3)
     b = copy.deepcopy(a)
     for fs, m in ((_sw(), a), (_pt(), b)):
         fs(m.blocks[0])
