@@ -160,11 +160,14 @@ class ReduceScatterResult(NamedTuple):
 # group ahead, and trains the case that failed here before
 # (``test_selective_checkpointing_recomputes_before_the_blocks_pre_backward``).
 _CHECKPOINT_MODES = ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+_NO_MODES = contextlib.nullcontext()
 
 
-def outside_checkpoint_modes() -> contextlib.ExitStack:
+def outside_checkpoint_modes() -> contextlib.AbstractContextManager[object]:
     """Set aside selective checkpointing's innermost dispatch modes, if any,
     until the block ends ([Note: gathers outside selective checkpointing])."""
+    if not torch._C._len_torch_dispatch_stack():
+        return _NO_MODES  # the usual case, on every pre-forward
     stack = contextlib.ExitStack()
     while (modes := _get_current_dispatch_mode_stack()) and type(modes[-1]).__name__ in _CHECKPOINT_MODES:
         stack.enter_context(_pop_mode_temporarily())
