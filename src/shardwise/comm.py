@@ -149,8 +149,8 @@ def reduce_scatter_tensor(
 #   comes first), so results are gloo's bit for bit;
 # - over more ranks, the all-gather copies this rank's input into its row and
 #   one broadcast per rank fills that rank's row everywhere (the same bytes
-#   as a ring; no flat buffer, no copy back), from 1 MiB per rank: below, the
-#   copies saved are small next to the extra collectives. The reduce-scatter
+#   as a ring; no flat buffer, no copy back), from 256 KiB per rank (below,
+#   gloo's all-gather, or held to travel in a run). The reduce-scatter
 #   stays gloo's: the order of a sum of more than two decides its last bits,
 #   and gloo's ring orders each element's sum by where it falls in the
 #   buffer; any other order would move results off gloo's (and off DDP's) by
@@ -166,8 +166,13 @@ def reduce_scatter_tensor(
 # PyTorch's FSDP issues, and a plan matches its measurement.
 
 # Over more than two ranks, below this many bytes sent per rank, gloo's own
-# all-gather: the copies saved are small next to the extra collectives.
-_IN_PLACE_MIN_BYTES = 1 << 20
+# all-gather. At four ranks on this project's 2 cores the broadcasts were the
+# faster at every size from 4 KiB to 1.75 MiB per rank (5.2-5.5 against
+# 6.8-7.0 ms at 896 KiB); in a bf16 GPT's step (blocks of 896 KiB per rank),
+# alternated within one process, 256 KiB against 1 MiB saved 9-37 ms of
+# 810-860 ms in each of 3 launches. Below it, small gathers mostly travel in
+# runs instead (held, up to _HOLD_MAX_BYTES each).
+_IN_PLACE_MIN_BYTES = 256 << 10
 _gloo: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
 
 
