@@ -553,15 +553,16 @@ def test_small_gathers_travel_in_runs_over_four_ranks(precision):
 @multi_rank(world_sizes=(4,))
 def test_held_gathers_go_before_a_large_one_over_four_ranks():
     """Inside ``exchanges_together`` over four gloo ranks, small all-gathers are
-    held; a large one issued after them sends them first (as over two ranks),
-    so the gather waited for first is not queued behind the large one. Every
-    output is what gloo's all-gather gives."""
+    held; a large one issued after them (300 KiB per rank: above the in-place
+    bound of 256 KiB, so one broadcast per rank) sends them first (as over
+    two ranks), so the gather waited for first is not queued behind the large
+    one. Every output is what gloo's all-gather gives."""
     import torch.distributed as dist
 
     import shardwise.comm as comm
 
     group, rank = dist.group.WORLD, dist.get_rank()
-    sizes = [1000, 3000, (1 << 20) // 4 + 8, 50]  # fp32 elements per rank: two small, one large, one small
+    sizes = [1000, 3000, (300 << 10) // 4, 50]  # fp32 elements per rank: two small, one large, one small
     inputs = [torch.arange(n, dtype=torch.float32) + 1e4 * rank + i for i, n in enumerate(sizes)]
     outputs = [torch.empty(4 * n) for n in sizes]
     events = []
