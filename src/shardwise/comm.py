@@ -107,7 +107,7 @@ def all_gather_tensor(
     all_gather = getattr(dist, _AG_NAME)
     # over two ranks always one exchange; over more, one broadcast per rank
     # from _IN_PLACE_MIN_BYTES, or held to travel in a run when small
-    held = _together and input_tensor.numel() * input_tensor.element_size() <= _HOLD_MAX_BYTES
+    held = _together > 0 and _small(input_tensor)
     min_bytes = 0 if group is not None and (group.size() == 2 or held) else _IN_PLACE_MIN_BYTES
     if _together and not held and group is not None and group.size() > 2:
         _send_held(group)  # what is held goes first, as over two ranks
@@ -312,6 +312,11 @@ _together = 0  # depth of exchanges_together() blocks
 _gathers_held: list[dist.ProcessGroup] = []  # groups an all-gather was held for inside them
 
 
+def _small(t: torch.Tensor) -> bool:
+    """Whether a part of ``t``'s bytes may be held to travel with others."""
+    return t.numel() * t.element_size() <= _HOLD_MAX_BYTES
+
+
 @contextlib.contextmanager
 def exchanges_together() -> Iterator[None]:
     """Hold the small all-gathers issued inside (over gloo); when the outermost
@@ -400,7 +405,7 @@ class _Parcel:
 def _post(group: dist.ProcessGroup, send: torch.Tensor, recv: torch.Tensor | None, hold: bool) -> _Parcel:
     """Queue an exchange over ``group``; send it (with whatever is held) unless ``hold``."""
     parcel = _Parcel(group, send.view(-1), None if recv is None else recv.view(-1))
-    small = send.numel() * send.element_size() <= _HOLD_MAX_BYTES
+    small = _small(send)
     if not small:
         _send_held(group)  # what is held goes first, on its own
     _held.setdefault(group, []).append(parcel)
@@ -475,7 +480,7 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
         raise ValueError(f"all-gather output of {output.numel()} elements for {size} ranks of {input.numel()}")
     if not input.numel():
         return _Works([])
-    if size > 2 and _together and input.numel() * input.element_size() <= _HOLD_MAX_BYTES:
+    if size > 2 and _together and _small(input):
         # held to travel with the others of a run; every row is copied out
         parcel = _Parcel(group, input.view(-1), rows)
         _held.setdefault(group, []).append(parcel)
