@@ -167,8 +167,9 @@ def reduce_scatter_tensor(
 
 # Over more than two ranks, below this many bytes sent per rank, gloo's own
 # all-gather. At four ranks on this project's 2 cores the broadcasts were the
-# faster at every size from 4 KiB to 1.75 MiB per rank (5.2-5.5 against
-# 6.8-7.0 ms at 896 KiB); in a bf16 GPT's step (blocks of 896 KiB per rank),
+# faster at every size tried from 4 KiB to 1.75 MiB per rank but 512 KiB,
+# where two rounds split (5.2-5.5 against 6.8-7.0 ms at 896 KiB); in a bf16
+# GPT's step (blocks of 896 KiB per rank),
 # alternated within one process, 256 KiB against 1 MiB saved 9-37 ms of
 # 810-860 ms in each of 3 launches. Below it, small gathers mostly travel in
 # runs instead (held, up to _HOLD_MAX_BYTES each).
