@@ -126,8 +126,7 @@ def reduce_scatter_tensor(
     """``torch.distributed``'s reduce-scatter into one tensor, under its current name
     (over two gloo ranks an all-to-all, see [Note: gloo without its copies])."""
     reduce_scatter = getattr(dist, _RS_NAME)
-    if (reduce_scatter is _ORIGINAL_RS and op == dist.ReduceOp.SUM and _in_place_gloo(group, output_tensor, input_tensor)
-            and group.size() == 2):
+    if reduce_scatter is _ORIGINAL_RS and op == dist.ReduceOp.SUM and _in_place_gloo(group, output_tensor, input_tensor):
         return _finish(gloo_reduce_scatter(output_tensor, input_tensor, group), async_op)
     return cast("WorkHandle | None",
                 reduce_scatter(output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op))
@@ -150,11 +149,12 @@ def reduce_scatter_tensor(
 # - over more ranks, the all-gather copies this rank's input into its row and
 #   one broadcast per rank fills that rank's row everywhere (the same bytes
 #   as a ring; no flat buffer, no copy back), from 256 KiB per rank (below,
-#   gloo's all-gather, or held to travel in a run). The reduce-scatter
-#   stays gloo's: the order of a sum of more than two decides its last bits,
-#   and gloo's ring orders each element's sum by where it falls in the
-#   buffer; any other order would move results off gloo's (and off DDP's) by
-#   rounding, which AdamW magnifies on near-zero gradients.
+#   gloo's all-gather, or held to travel in a run). The reduce-scatter is
+#   one all-to-all that brings this rank every rank's row for it, then a sum
+#   in the order gloo's ring sums each element ([Note: gloo's ring order]):
+#   the order of a sum of more than two decides its last bits, and any other
+#   order would move results off gloo's (and off DDP's) by rounding, which
+#   AdamW magnifies on near-zero gradients.
 # Timed alone over two ranks on this project's 2-core machine (200 calls,
 # 132-264 KiB per rank): the exchange 0.45-0.76 ms a call; gloo's all-gather
 # 0.9-1.6 ms, two broadcasts 0.9-1.5 ms, gloo's reduce-scatter 2.7-3.2 ms.
@@ -496,20 +496,73 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
 
 
 def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Works:
-    """Reduce-scatter (SUM) over two ranks: one exchange (held back for the
-    next all-gather, [Note: held-back exchanges]) sends the other rank its
-    row, and this rank's row plus what arrived goes into ``output``; see
-    [Note: gloo without its copies]."""
-    if group.size() != 2:
-        raise ValueError(f"gloo_reduce_scatter is for two ranks, not {group.size()}")
+    """Reduce-scatter (SUM) into ``output``, gloo's bits; see [Note: gloo
+    without its copies]. Over two ranks one exchange (held back for the next
+    all-gather, [Note: held-back exchanges]) sends the other rank its row, and
+    this rank's row plus what arrived goes into ``output``. Over more, one
+    all-to-all brings every rank's row for this rank, summed as gloo's ring
+    sums them ([Note: gloo's ring order])."""
+    size, me = group.size(), group.rank()
     out = output.view(-1)
-    if 2 * out.numel() != input.numel():
-        raise ValueError(f"reduce-scatter output of {out.numel()} elements for 2 ranks of {input.numel()}")
+    if size * out.numel() != input.numel():
+        raise ValueError(f"reduce-scatter output of {out.numel()} elements for {size} ranks of {input.numel()}")
     if not out.numel():
         return _Works([])
-    rows, me = input.view(2, -1), group.rank()
-    parcel = _post(group, rows[1 - me], None, hold=True)
-    return _Works([parcel], lambda: torch.add(rows[me], parcel.received, out=out))
+    rows = input.view(size, -1)
+    if size == 2:
+        parcel = _post(group, rows[1 - me], None, hold=True)
+        return _Works([parcel], lambda: torch.add(rows[me], parcel.received, out=out))
+    got = torch.empty_like(rows)
+    work = dist.all_to_all_single(got, rows, group=group, async_op=True)
+    return _Works([work], lambda: ring_sum(got, me, out))
+
+
+# [Note: gloo's ring order]
+# gloo's reduce-scatter over more than two ranks is its ring all-reduce of a
+# copy of the input (gloo/allreduce.cc in the gloo that torch 2.13 builds).
+# The ring cuts the buffer into one chunk per rank (not the reduce-scatter's
+# rows: chunks are whole segments, so their edges fall a few elements off the
+# rows'), and chunk c's sum starts at rank c-1 and travels down the ring:
+# x[c-1] + x[c-2] + ... + x[c+1], then rank c adds its own. Floating-point
+# sums depend on their order, so this order is what gives gloo's (and DDP's,
+# and PyTorch's FSDP's) last bits. ``ring_sum`` adds the rows in that order,
+# chunk by chunk, so an all-to-all (each rank sends each other rank only its
+# row: half the bytes of the ring all-reduce) plus that sum gives the same
+# bits. Segments: at most 1 MiB each, as many as that needs but at least two
+# per rank and a multiple of the ranks, all of one size (rounded up to whole
+# elements). Tested against gloo's own reduce-scatter for 3, 4 and 5 ranks,
+# fp32 and bf16, 1 to 12 million elements (``test_comm``); a gloo that cut
+# its chunks otherwise would fail that test, not train silently off.
+_RING_SEGMENT_BYTES = 1 << 20
+
+
+def ring_chunk(numel: int, itemsize: int, ranks: int) -> int:
+    """Elements in each chunk of gloo's ring all-reduce of ``numel`` elements
+    of ``itemsize`` bytes over ``ranks`` ranks (the last may be short)."""
+    total = numel * itemsize
+    most = itemsize * max(1, _RING_SEGMENT_BYTES // itemsize)
+    segments = -(-max(-(-total // most), 2 * ranks) // ranks) * ranks
+    segment = -(-total // segments)
+    segment = -(-segment // itemsize) * itemsize
+    return segments // ranks * segment // itemsize
+
+
+def ring_sum(rows: torch.Tensor, rank: int, out: torch.Tensor) -> None:
+    """``out`` = the sum of ``rows`` (every rank's row for ``rank``, rank-major),
+    each element summed in the order gloo's ring sums it ([Note: gloo's ring order])."""
+    size, n = rows.shape
+    chunk = ring_chunk(size * n, rows.element_size(), size)
+    start = rank * n
+    while start < (rank + 1) * n:
+        c = start // chunk
+        end = min((c + 1) * chunk, (rank + 1) * n)
+        a, b = start - rank * n, end - rank * n
+        part = out[a:b]
+        torch.add(rows[(c - 1) % size, a:b], rows[(c - 2) % size, a:b], out=part)
+        for k in range(3, size):
+            part.add_(rows[(c - k) % size, a:b])
+        part.add_(rows[c % size, a:b])
+        start = end
 
 
 class FreshBuffers(Comm):
