@@ -109,7 +109,7 @@ def all_gather_tensor(
     # from _IN_PLACE_MIN_BYTES, or held to travel in a run when small
     held = _together > 0 and _small(input_tensor)
     min_bytes = 0 if group is not None and (group.size() == 2 or held) else _IN_PLACE_MIN_BYTES
-    if _together and not held and group is not None and group.size() > 2:
+    if not held and group is not None and group.size() > 2:
         _send_held(group)  # what is held goes first, as over two ranks
     if all_gather is _ORIGINAL_AG and _in_place_gloo(group, output_tensor, input_tensor, min_bytes):
         return _finish(gloo_all_gather(output_tensor, input_tensor, group), async_op)
@@ -298,14 +298,20 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) 
 # held goes when the outermost such block ends: the engine issues a run of
 # small groups' prefetches there, which then travel as one exchange
 # ([Note: prefetch runs] in ``_engine/prefetch.py``).
-# Over more than two ranks only those all-gathers are held: what is held goes
-# as one gloo all-gather of every part side by side (each rank's row holds
-# its part of each), and each part's rows are copied out of it. A gather
-# moves bytes unchanged, so results are the same bit for bit. Reduce-scatters
-# are not held there: they stay gloo's, whose ring decides the last bits of
-# each sum by where the element falls in the buffer (packing would move
-# them). On this project's 2 cores at four ranks, one gloo all-gather of
-# 50 KiB per rank took 2.9 ms and one of 250 KiB 3.3 ms (200 calls each).
+# Over more than two ranks a reduce-scatter is an all-to-all ([Note: gloo's
+# ring order]); small ones (up to _HOLD_MAX_BYTES per rank) are held as over
+# two ranks, until the next all-gather over the group is issued or one is
+# waited for. What is held goes as at most two collectives: the all-gathers
+# (held only inside those blocks) as one gloo all-gather of every part side
+# by side (each rank's row holds its part of each), each part's rows copied
+# out of it; then the reduce-scatters as one all-to-all of their rows side
+# by side, each part's rows from every rank summed in gloo's ring order for
+# that part alone. A gather moves bytes unchanged and each sum's order does
+# not depend on the packing, so results are the same bit for bit. On this
+# project's 2 cores at four ranks, one gloo all-gather of 50 KiB per rank
+# took 2.9 ms and one of 250 KiB 3.3 ms (200 calls each); in the 24-block
+# model's step, packing the reduce-scatters took 24 all-to-alls to 6, and
+# 479 to 450 ms (alternated within one process).
 _ALIGN = 16
 _HOLD_MAX_BYTES = 256 << 10
 _held: weakref.WeakKeyDictionary[dist.ProcessGroup, list[_Parcel]] = weakref.WeakKeyDictionary()
@@ -322,8 +328,9 @@ def _small(t: torch.Tensor) -> bool:
 def exchanges_together() -> Iterator[None]:
     """Hold the small all-gathers issued inside (over gloo); when the outermost
     block ends, send what is held over each group one was held for, as one
-    exchange (over more than two ranks, one all-gather); reduce-scatters
-    held over other groups stay held."""
+    exchange (over more than two ranks, one all-gather, then one all-to-all
+    for the reduce-scatters held with them); reduce-scatters held over other
+    groups stay held."""
     global _together
     _together += 1
     try:
@@ -404,9 +411,11 @@ class _Parcel:
 
 
 def _post(group: dist.ProcessGroup, send: torch.Tensor, recv: torch.Tensor | None, hold: bool) -> _Parcel:
-    """Queue an exchange over ``group``; send it (with whatever is held) unless ``hold``."""
+    """Queue an exchange over ``group``; send it (with whatever is held) unless
+    ``hold``. Over more than two ranks it is a reduce-scatter's all-to-all
+    (``send`` its whole input, ``recv`` None)."""
     parcel = _Parcel(group, send.view(-1), None if recv is None else recv.view(-1))
-    small = _small(send)
+    small = _small(send[0] if group.size() > 2 else send)
     if not small:
         _send_held(group)  # what is held goes first, on its own
     _held.setdefault(group, []).append(parcel)
@@ -422,7 +431,11 @@ def _send_held(group: dist.ProcessGroup) -> None:
     if not parcels:
         return
     if group.size() > 2:
-        _send_gathers(group, parcels)
+        gathers = [p for p in parcels if p.recv is not None]
+        if gathers:
+            _send_gathers(group, gathers)
+        if len(gathers) < len(parcels):
+            _send_scatters(group, [p for p in parcels if p.recv is None])
         return
     if len(parcels) == 1:
         p = parcels[0]
@@ -470,6 +483,31 @@ def _send_gathers(group: dist.ProcessGroup, parcels: list[_Parcel]) -> None:
         p.work, p.packed, p.flight = work, rows[:, start : start + nbytes].view(p.send.dtype), flight
 
 
+def _send_scatters(group: dist.ProcessGroup, parcels: list[_Parcel]) -> None:
+    """Over more than two ranks: the reduce-scatters' all-to-alls held (each
+    parcel's ``send`` its whole rank-major input), one alone as it is, several
+    as one all-to-all of their rows side by side; each parcel receives every
+    rank's row for this rank, rank-major."""
+    size = group.size()
+    if len(parcels) == 1:
+        p = parcels[0]
+        p.recv = torch.empty_like(p.send)
+        p.work = dist.all_to_all_single(p.recv, p.send, group=group, async_op=True)
+        return
+    spans, total = [], 0
+    for p in parcels:
+        nbytes = p.send.numel() // size * p.send.element_size()
+        spans.append((total, nbytes))
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    flight = _Flight(size * total, len(parcels), size * total)
+    send, recv = (b.view(size, total) for b in flight.buffers)
+    for p, (start, nbytes) in zip(parcels, spans):
+        send[:, start : start + nbytes].view(p.send.dtype).copy_(p.send.view(size, -1))
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    for p, (start, nbytes) in zip(parcels, spans):
+        p.work, p.packed, p.flight = work, recv[:, start : start + nbytes].view(p.send.dtype), flight
+
+
 def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Works:
     """All-gather into ``output`` (rank-major): this rank's input copied into
     its row, the others received in place (one exchange over two ranks, with
@@ -512,9 +550,8 @@ def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     if size == 2:
         parcel = _post(group, rows[1 - me], None, hold=True)
         return _Works([parcel], lambda: torch.add(rows[me], parcel.received, out=out))
-    got = torch.empty_like(rows)
-    work = dist.all_to_all_single(got, rows, group=group, async_op=True)
-    return _Works([work], lambda: ring_sum(got, me, out))
+    parcel = _post(group, rows, None, hold=True)
+    return _Works([parcel], lambda: ring_sum(parcel.received.view(size, -1), me, out))
 
 
 # [Note: gloo's ring order]

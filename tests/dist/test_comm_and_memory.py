@@ -523,31 +523,38 @@ def _train_blocks_alike(precision, n, sent, check):
 def test_small_gathers_travel_in_runs_over_four_ranks(precision):
     """[Note: held-back exchanges] over more than two ranks: a prefetch run's
     small all-gathers are held and go as one gloo all-gather of their parts
-    side by side (bf16 gathers beside fp32 reductions); reduce-scatters stay
-    gloo's, one each. Training stays bit for bit PyTorch's, and no packed
-    buffer is kept after a step."""
+    side by side (bf16 gathers beside fp32 reductions), and the small
+    reduce-scatters held until then go as one all-to-all of their rows side
+    by side, each summed in gloo's ring order. Training stays bit for bit
+    PyTorch's, and no packed buffer is kept after a step."""
     import shardwise.comm as comm
 
     n = 5
     sent = []
-    real = comm._send_gathers
+    real_gathers, real_scatters = comm._send_gathers, comm._send_scatters
 
-    def counting(group, parcels):
-        sent.append(len(parcels))
-        return real(group, parcels)
+    def gathers(group, parcels):
+        sent.append(("AG", len(parcels)))
+        return real_gathers(group, parcels)
+
+    def scatters(group, parcels):
+        sent.append(("RS", len(parcels)))
+        return real_scatters(group, parcels)
 
     def check(step):
         # forward: the root's gather with its run of every block (the first
         # forward records the order: one a group); backward: every block in
-        # one run (the root stays gathered)
-        assert sent == ([n + 1] if step else [1] * (n + 1)) + [n], (step, sent)
+        # one run (the root stays gathered), then every reduce-scatter
+        # together at its end (no run is left to carry them)
+        forward = [("AG", n + 1)] if step else [("AG", 1)] * (n + 1)
+        assert sent == forward + [("AG", n), ("RS", n + 1)], (step, sent)
         assert comm._Flight.live == 0 and not comm._Flight.spare  # none kept
 
-    comm._send_gathers = counting
+    comm._send_gathers, comm._send_scatters = gathers, scatters
     try:
         _train_blocks_alike(precision, n, sent, check)
     finally:
-        comm._send_gathers = real
+        comm._send_gathers, comm._send_scatters = real_gathers, real_scatters
 
 
 @multi_rank(world_sizes=(4,))
@@ -715,29 +722,61 @@ def test_reduce_scatter_sums_in_gloos_ring_order(world_size):
     (an all-to-all and a sum here) adds each element's rows in the order
     gloo's ring does, so its results are gloo's bit for bit: sizes whose ring
     chunks fall off the rows, with one to ten 1 MiB segments per rank, fp32
-    and bf16, values over many magnitudes (so any other order would show)."""
+    and bf16, values over many magnitudes (so any other order would show).
+    Issued together and waited out of order, the small ones are held and
+    travel as one all-to-all of their rows side by side ([Note: held-back
+    exchanges]); a large one sends those held before it first."""
     import torch.distributed as dist
 
     import shardwise.comm as comm
 
-    rank = dist.get_rank()
+    group, rank = dist.group.WORLD, dist.get_rank()
+
+    def case(n, dtype):
+        gen = torch.Generator().manual_seed(1000 * rank + n)
+        x = torch.randn(world_size * n, generator=gen) * torch.exp(4 * torch.randn(world_size * n, generator=gen))
+        gloos = torch.empty(n, dtype=dtype)
+        dist.reduce_scatter_tensor(gloos, x.to(dtype))
+        return x.to(dtype), gloos
+
     other_order = 0
     for n in (1, 3, 4097, 65_537, 524_289, 1_000_001, 2_500_003):
         for dtype in (torch.float32, torch.bfloat16):
-            gen = torch.Generator().manual_seed(1000 * rank + n)
-            x = torch.randn(world_size * n, generator=gen) * torch.exp(4 * torch.randn(world_size * n, generator=gen))
-            x = x.to(dtype)
-            ours, gloos = torch.full((n,), -1.0, dtype=dtype), torch.empty(n, dtype=dtype)
-            work = comm.reduce_scatter_tensor(ours, x, dist.group.WORLD, dist.ReduceOp.SUM, async_op=True)
+            x, gloos = case(n, dtype)
+            ours = torch.full((n,), -1.0, dtype=dtype)
+            work = comm.reduce_scatter_tensor(ours, x, group, dist.ReduceOp.SUM, async_op=True)
             assert isinstance(work, comm._Works)
             work.wait()
-            dist.reduce_scatter_tensor(gloos, x.clone())
             assert torch.equal(ours.view(torch.uint8), gloos.view(torch.uint8)), (n, dtype)
             rows = [torch.empty_like(x) for _ in range(world_size)]
             dist.all_gather(rows, x)
             in_rank_order = torch.stack([r.view(world_size, n)[rank] for r in rows]).sum(0, dtype=dtype)
             other_order += int((in_rank_order != gloos).sum())
     assert other_order > 1000, "the values do not tell one order of the sum from another"
+
+    sent = []
+    real = comm._send_scatters
+
+    def counting(g, parcels):
+        sent.append(len(parcels))
+        return real(g, parcels)
+
+    comm._send_scatters = counting
+    try:
+        cases = [(n, dtype) for n in (1, 3, 4097, 65_537, 7) for dtype in (torch.float32, torch.bfloat16)]
+        pending = []
+        for n, dtype in cases:
+            x, gloos = case(n, dtype)
+            ours = torch.full((n,), -1.0, dtype=dtype)
+            pending.append((ours, gloos, comm.reduce_scatter_tensor(ours, x, group, dist.ReduceOp.SUM, True)))
+        for ours, gloos, work in reversed(pending):
+            work.wait()
+            assert torch.equal(ours.view(torch.uint8), gloos.view(torch.uint8)), ours.numel()
+    finally:
+        comm._send_scatters = real
+    # the six small ones before the 256 KiB fp32 one, then it alone; the bf16
+    # one (128 KiB) and the last two are sent when the first of them is waited for
+    assert sent == [6, 1, 3], sent
 
 
 @pytest.mark.parametrize("bound", [None, 1, 2])

@@ -15,8 +15,8 @@ Bounded by ``_RUN_BYTES``, this holds at most that many bytes more of
 unsharded parameters than the one-ahead prefetch (gathered early, used in
 order), and as many of reductions waiting. Only groups on the fast path with
 the default all-gather over gloo take part (``run_bytes``). Over more than
-two ranks a run's all-gathers travel together, its reduce-scatters do not
-(they stay gloo's, each sent as it is issued). With an explicit prefetch
+two ranks a run's all-gathers travel as one all-gather and the reduce-scatters
+held with them as one all-to-all. With an explicit prefetch
 list, for groups that have one, and under the wrapper (FSDP1's
 ``limit_all_gathers``: at most two groups gathered) it is one group ahead
 as before.
