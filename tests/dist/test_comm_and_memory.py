@@ -598,12 +598,13 @@ def test_held_gathers_go_before_a_large_one_over_four_ranks():
         assert torch.equal(o, want)
 
 
-@multi_rank(world_sizes=(2,))
+@multi_rank(world_sizes=(2, 4))
 def test_user_collectives_between_held_exchanges():
     """[Note: held-back exchanges]: a user's collective over the same group
     issued in the backward while a reduce-scatter is held (a gradient hook
-    that all-reduces) is issued in the same order on both ranks: no hang,
-    and gradients as PyTorch's."""
+    that all-reduces) is issued in the same order on every rank: no hang,
+    and gradients as PyTorch's (over four ranks too, where the held
+    reduce-scatters are all-to-alls)."""
     import torch.distributed as dist
     from fsdp_reference import shard_blocks
 
