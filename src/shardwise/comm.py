@@ -124,7 +124,7 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> WorkHandle | None:
     """``torch.distributed``'s reduce-scatter into one tensor, under its current name
-    (over two gloo ranks an all-to-all, see [Note: gloo without its copies])."""
+    (over gloo an all-to-all, see [Note: gloo without its copies])."""
     reduce_scatter = getattr(dist, _RS_NAME)
     if reduce_scatter is _ORIGINAL_RS and op == dist.ReduceOp.SUM and _in_place_gloo(group, output_tensor, input_tensor):
         return _finish(gloo_reduce_scatter(output_tensor, input_tensor, group), async_op)
@@ -567,9 +567,10 @@ def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
 # row: half the bytes of the ring all-reduce) plus that sum gives the same
 # bits. Segments: at most 1 MiB each, as many as that needs but at least two
 # per rank and a multiple of the ranks, all of one size (rounded up to whole
-# elements). Tested against gloo's own reduce-scatter for 3, 4 and 5 ranks,
-# fp32 and bf16, 1 to 12 million elements (``test_comm``); a gloo that cut
-# its chunks otherwise would fail that test, not train silently off.
+# elements). Tested against gloo's own reduce-scatter over 3 and 4 ranks,
+# fp32 and bf16, 1 to 2.5 million elements per rank (one to ten segments
+# per rank; ``test_reduce_scatter_sums_in_gloos_ring_order``); a gloo that
+# cut its ring otherwise would fail that test, not train a few ulps off.
 _RING_SEGMENT_BYTES = 1 << 20
 
 

@@ -656,8 +656,9 @@ def test_gloo_in_place_collectives_equal_gloo_collectives(world_size):
     group = dist.group.WORLD
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank)
-    # over two ranks both at every size; over more, all-gathers by default
-    # from 1 MiB sent per rank (300,000 floats); small all-gathers too here
+    # reduce-scatters at every size; all-gathers too over two ranks, over
+    # more by default from 256 KiB sent per rank (300,000 floats are 1.2 MB);
+    # small all-gathers too here
     big = torch.zeros(world_size * 300_000)
     for n, in_place in ((300_000, True), (10, world_size == 2)):
         work = comm.all_gather_tensor(torch.empty(world_size * n), big[:n], group, True)
