@@ -450,18 +450,20 @@ def _send_held(group: dist.ProcessGroup) -> None:
         p.work, p.packed, p.flight = work, recv[start : start + nbytes].view(p.send.dtype), flight
 
 
-def _pack(parcels: list[_Parcel], ranks: int) -> tuple[_Flight, list[tuple[int, int]]]:
+def _pack(parcels: list[_Parcel], ranks: int, rows: int = 1) -> tuple[_Flight, list[tuple[int, int]]]:
     """A flight whose send buffer holds every parcel's bytes side by side (each
-    aligned), receiving ``ranks`` times as many; and where each one starts."""
+    aligned; with ``rows``, each parcel's send cut into that many rows, row i
+    of each in row i), receiving ``ranks`` rows as long; and where each one
+    starts in a row."""
     spans, total = [], 0
     for p in parcels:
-        nbytes = p.send.numel() * p.send.element_size()
+        nbytes = p.send.numel() // rows * p.send.element_size()
         spans.append((total, nbytes))
         total += -(-nbytes // _ALIGN) * _ALIGN
-    flight = _Flight(total, len(parcels), ranks * total)
-    send = flight.buffers[0]
+    flight = _Flight(rows * total, len(parcels), ranks * total)
+    send = flight.buffers[0].view(rows, total)
     for p, (start, nbytes) in zip(parcels, spans):
-        send[start : start + nbytes].view(p.send.dtype).copy_(p.send)
+        send[:, start : start + nbytes].view(p.send.dtype).copy_(p.send.view(rows, -1))
     return flight, spans
 
 
@@ -494,15 +496,8 @@ def _send_scatters(group: dist.ProcessGroup, parcels: list[_Parcel]) -> None:
         p.recv = torch.empty_like(p.send)
         p.work = dist.all_to_all_single(p.recv, p.send, group=group, async_op=True)
         return
-    spans, total = [], 0
-    for p in parcels:
-        nbytes = p.send.numel() // size * p.send.element_size()
-        spans.append((total, nbytes))
-        total += -(-nbytes // _ALIGN) * _ALIGN
-    flight = _Flight(size * total, len(parcels), size * total)
-    send, recv = (b.view(size, total) for b in flight.buffers)
-    for p, (start, nbytes) in zip(parcels, spans):
-        send[:, start : start + nbytes].view(p.send.dtype).copy_(p.send.view(size, -1))
+    flight, spans = _pack(parcels, size, rows=size)
+    send, recv = (b.view(size, -1) for b in flight.buffers)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     for p, (start, nbytes) in zip(parcels, spans):
         p.work, p.packed, p.flight = work, recv[:, start : start + nbytes].view(p.send.dtype), flight
