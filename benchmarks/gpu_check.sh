@@ -3,8 +3,9 @@
 # CUDA tests, the world-size-1 benchmark against PyTorch's fully_shard with its
 # profiler traces, and the planner's peak against torch.cuda.max_memory_allocated.
 # SUITE_S=N also runs the whole suite (N seconds at most), CPU_BENCH_S=N the
-# CPU benchmark at 4 ranks on the machine's real cores (N seconds a model),
-# PLAN_S=0 skips the separate planner check.
+# CPU benchmark at 4 ranks on the machine's real cores (N seconds a model;
+# CPU_BENCH_ARGS overrides its steps and configs), PLAN_S=0 skips the separate
+# planner check.
 # Uses the machine's own python and torch (no network there): the source tree
 # goes on PYTHONPATH. Logs, the JSON and gzipped traces land in $OUT.
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh
@@ -40,12 +41,15 @@ print(json.dumps(bench_plan.cuda_accuracy()))" 2>&1 | tee "$OUT/plan_cuda.log"
 fi
 
 if [ "${CPU_BENCH_S:-0}" -gt 0 ]; then  # issue 10's CPU table at 4 ranks on real cores (gloo, a thread a rank)
+  # On the lent H200's Xeon one launch of the fp32 GPT took about 20 s (8 timed
+  # steps; torch's import and start-up included): CPU_BENCH_S=200 fits the
+  # default's 3 configs x 3 repeats; CPU_BENCH_ARGS adds FSDP1 and DDP.
   echo "== CPU bench, 4 ranks on $(nproc) cores ($SECONDS s)"
-  for model in "blocks24:--dim 64 --layers 24 --heads 4 --seq-len 128 --vocab 256 --batch-size 4" \
-               "gpt:--dim 384 --layers 6 --heads 4 --seq-len 256 --batch-size 4"; do
+  for model in "gpt:--dim 384 --layers 6 --heads 4 --seq-len 256 --batch-size 4" \
+               "blocks24:--dim 64 --layers 24 --heads 4 --seq-len 128 --vocab 256 --batch-size 4"; do
     # CUDA hidden: PyTorch's fully_shard would build its default mesh on the GPU
     CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout "$CPU_BENCH_S" $PY benchmarks/bench_step.py --nproc 4 \
-      --steps 20 --warmup 5 --repeats 3 --configs shardwise,torch_fsdp,torch_fsdp1,ddp,local ${model#*:} \
+      --repeats 3 ${CPU_BENCH_ARGS:---steps 8 --warmup 2 --configs shardwise,torch_fsdp,local} ${model#*:} \
       --json "$OUT/cpu_w4_${model%%:*}.json" 2>&1 | tail -n 12
   done
 fi
