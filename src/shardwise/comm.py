@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+import shardwise.shared_rows as shared_rows
+
 # torch >= 2.13 names them *_single (the *_tensor names warn); older torch has only those.
 _AG_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _RS_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
@@ -524,6 +526,18 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     if size == 2:
         if _together:
             _gathers_held.append(group)
+        shared = shared_rows.existing(group)
+        desc = None if shared is None else shared.describe(output)
+        if shared is not None and desc is not None:
+            # [Note: shared rows]: only where this rank's rows lie goes over gloo
+            got = torch.empty_like(desc)
+            ours = shared
+
+            def copy_theirs() -> None:
+                rows[1 - me].copy_(ours.read(got, rows)[1 - me])
+                ours.done(got)
+
+            return _Works([_post(group, desc, got, hold=_together > 0)], copy_theirs)
         return _Works([_post(group, input, rows[1 - me], hold=_together > 0)])
     return _Works([dist.broadcast(rows[r], group=group, group_src=r, async_op=True) for r in range(size)])
 
@@ -543,6 +557,20 @@ def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
         return _Works([])
     rows = input.view(size, -1)
     if size == 2:
+        shared = shared_rows.existing(group)
+        desc = None if shared is None else shared.describe(input)
+        if shared is not None and desc is not None:
+            # [Note: shared rows]: this rank's row plus the other rank's row for
+            # it, read where it lies (the same addition as below)
+            parcel = _post(group, desc, None, hold=True)
+            ours = shared
+
+            def add_theirs() -> None:
+                theirs = ours.read(parcel.received, rows)[me]
+                torch.add(rows[me], theirs, out=out)
+                ours.done(parcel.received)
+
+            return _Works([parcel], add_theirs)
         parcel = _post(group, rows[1 - me], None, hold=True)
         return _Works([parcel], lambda: torch.add(rows[me], parcel.received, out=out))
     parcel = _post(group, rows, None, hold=True)

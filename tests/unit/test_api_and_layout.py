@@ -23,6 +23,7 @@ LAYERS = {
     "shardwise.policies": 0,
     "shardwise.errors": 0,
     "shardwise.comm": 0,
+    "shardwise.shared_rows": 0,  # shared-memory exchanges, under comm
     "shardwise.compression": 0,
     "shardwise.mesh": 1,
     "shardwise._engine": 2,

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
 
+import shardwise.shared_rows as shared_rows
 from shardwise.comm import (
     AllGather,
     Comm,
@@ -50,6 +51,7 @@ from shardwise.comm import (
     DefaultReduceScatter,
     ReduceScatter,
     WorkHandle,
+    packs_exchanges,
 )
 from shardwise.errors import CollectiveError
 from shardwise.layout import FlatLayout
@@ -96,7 +98,7 @@ class BufferPool:
 
     def give(self, *buffers: torch.Tensor) -> None:
         for t in buffers:
-            if not _pools(t.device):
+            if not _pools(t.device) or shared_rows.give(t):
                 continue
             free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
             if len(free) < self.keep:
@@ -292,14 +294,28 @@ def finish_packed_all_gather(result: PackedGatherResult, where: str) -> list[tor
 
 
 def _buffer(
-    comm: Comm, pool: BufferPool | None, numel: int, dtype: torch.dtype, device: torch.device, where: str, hook: str
+    comm: Comm, pool: BufferPool | None, numel: int, dtype: torch.dtype, device: torch.device, where: str, hook: str,
+    exchanged_over: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """A 1-D buffer: from the pool for our own comms, else from ``comm.allocate``;
-    with what to give back to the pool."""
+    """A 1-D buffer: from the pool for our own comms (in shared memory when its
+    rows are exchanged over a group that shares them, [Note: shared rows]),
+    else from ``comm.allocate``; with what to give back to the pool."""
     if pool is not None and is_default(comm):
+        if exchanged_over is not None and _shares_rows(exchanged_over, numel * dtype.itemsize, device):
+            rows = shared_rows.for_group(exchanged_over)
+            if rows is not None:
+                buf = rows.take(numel * dtype.itemsize).view(dtype)
+                return buf, (buf,)
         buf = pool.take(numel, dtype, device)
         return buf, (buf,)
     return allocate(comm, numel, dtype, device, where, hook), ()
+
+
+def _shares_rows(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> bool:
+    return (
+        nbytes >= shared_rows.MIN_BYTES and shared_rows.requested() and group.size() == 2
+        and packs_exchanges(group, device) and not torch.compiler.is_compiling()
+    )
 
 
 def start_all_gather(
@@ -330,7 +346,7 @@ def start_all_gather(
         inp, pooled = _buffer(comm, pool, total, dtype, device, where, "AllGather")
         inp.copy_(flat_source, non_blocking=True)
     if communicates(comm, group):
-        out, more = _buffer(comm, pool, flat.num_shards * total, dtype, device, where, "AllGather")
+        out, more = _buffer(comm, pool, flat.num_shards * total, dtype, device, where, "AllGather", group)
         pooled += more
         work = _guard(where, "AllGather", lambda: comm(out, inp, group, True))
     else:
@@ -392,7 +408,9 @@ def start_reduce_scatter(
     layouts, offs, total, num_shards = flat.layouts, flat.offsets, flat.total, flat.num_shards
     talks = communicates(comm, group)
     # Without communication the input is the output, which gradients view: not pooled.
-    inp, pooled = _buffer(comm, pool if talks else None, num_shards * total, dtype, device, where, "ReduceScatter")
+    inp, pooled = _buffer(
+        comm, pool if talks else None, num_shards * total, dtype, device, where, "ReduceScatter", group
+    )
     rows = inp.view(num_shards, total)
     if flat.chunk_cat:
         # [Note: fused copies]: one op pads every gradient's rows to a multiple

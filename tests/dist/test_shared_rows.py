@@ -1,0 +1,152 @@
+"""Two ranks of one host exchanging rows through shared memory
+(``SHARDWISE_SHARED_MEMORY=1``, [Note: shared rows] in ``shardwise/shared_rows.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from shardwise.testing import multi_rank
+
+
+@contextlib.contextmanager
+def _shared_memory(on: bool = True):
+    from shardwise import shared_rows
+
+    old = os.environ.get(shared_rows.ENV)
+    os.environ[shared_rows.ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[shared_rows.ENV]
+        else:
+            os.environ[shared_rows.ENV] = old
+
+
+def _ours_in_dev_shm() -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f.startswith("shardwise")]
+
+
+def _train_like_pytorch(precision: str, steps: int = 3):
+    """A 3-block GPT whose blocks' rows are above MIN_BYTES (1.5 MiB a rank
+    in fp32), trained under shardwise's and PyTorch's ``fully_shard`` alike:
+    losses and parameters equal bit for bit. Returns shardwise's model."""
+    import torch.distributed as dist
+    from fsdp_reference import shard_blocks
+
+    from shardwise.models import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, dim=256, n_layers=3, n_heads=4)
+    models = []
+    for lib in ("shardwise", "torch"):
+        torch.manual_seed(0)
+        models.append(shard_blocks(GPT(cfg), lib, precision))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for step in range(steps):
+        x, y = synthetic_batch(cfg, 2, seed=step, rank=dist.get_rank())
+        losses = []
+        for model, opt in zip(models, opts):
+            loss = GPT.loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        assert torch.equal(losses[0], losses[1]), (step, losses)
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+    return models[0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@multi_rank(world_sizes=(2,))
+def test_shared_rows_train_bit_for_bit_like_pytorch(precision):
+    """With the setting on, every large all-gather and reduce-scatter of the
+    step goes through shared memory (only descriptors over gloo), training is
+    bit for bit PyTorch's, and no file is left in /dev/shm."""
+    import torch.distributed as dist
+
+    from shardwise import shared_rows
+
+    before = shared_rows.existing(dist.group.WORLD)
+    done_before = 0 if before is None else before.exchanges  # workers outlive a test
+    with _shared_memory():
+        _train_like_pytorch(precision)
+    rows = shared_rows.existing(dist.group.WORLD)
+    assert rows is not None
+    # 3 steps of the 3 blocks' gathers in forward and again in backward and
+    # their reduce-scatters (the root's rows are below MIN_BYTES: over gloo)
+    assert rows.exchanges - done_before == 3 * 9, rows.exchanges
+    assert len(rows.mine) <= 8, len(rows.mine)  # buffers are reused, not made per exchange
+    assert not _ours_in_dev_shm()  # anonymous memory: no names
+
+
+@multi_rank(world_sizes=(2,))
+def test_a_shared_buffer_waits_for_the_other_rank_to_read_it():
+    """A buffer given back is not handed out again while the other rank has not
+    read its last exchange: another one is made; once read, it is reused."""
+    import torch.distributed as dist
+
+    from shardwise import shared_rows
+
+    group, me = dist.group.WORLD, dist.get_rank()
+    rows = shared_rows._setup(group)
+    assert rows is not None
+    n = 1 << 16
+    buf = rows.take(n)
+    buf.view(torch.int32).fill_(100 + me)
+    desc = rows.describe(buf)
+    both = torch.empty(2, desc.numel(), dtype=desc.dtype)
+    dist.all_gather_into_tensor(both.view(-1), desc)
+    theirs = both[1 - me]
+    if me == 0:
+        rows.give(buf)
+        again = rows.take(n)
+        assert again.data_ptr() != buf.data_ptr()  # rank 1 has not read buf yet
+        again.view(torch.int32).fill_(-1)
+        rows.give(again)
+    dist.barrier()
+    got = rows.read(theirs, torch.empty(n // 4, dtype=torch.int32))
+    assert torch.equal(got, torch.full((n // 4,), 100 + (1 - me), dtype=torch.int32))
+    rows.done(theirs)
+    dist.barrier()
+    if me == 0:
+        assert rows.take(n).data_ptr() == buf.data_ptr()  # read now: handed out again
+
+
+@multi_rank(world_sizes=(2,))
+def test_a_group_that_cannot_share_stays_on_gloo():
+    """Where one rank cannot open the other's memory (another host, another
+    process namespace), both ranks agree at set-up, exchange over gloo as
+    before, and train bit for bit PyTorch's."""
+    import torch.distributed as dist
+
+    from shardwise import shared_rows
+
+    shared_rows._groups.pop(dist.group.WORLD, None)  # set up anew (workers outlive a test)
+    real_open = shared_rows._open
+    if dist.get_rank() == 1:
+        shared_rows._open = lambda pid, fd, nbytes: None
+    try:
+        with _shared_memory():
+            _train_like_pytorch("fp32", steps=2)
+    finally:
+        shared_rows._open = real_open
+    assert shared_rows.existing(dist.group.WORLD) is None
+
+
+@multi_rank(world_sizes=(2,))
+def test_off_by_default():
+    """Without the setting, no group sets shared memory up."""
+    import torch.distributed as dist
+
+    from shardwise import shared_rows
+
+    shared_rows._groups.pop(dist.group.WORLD, None)  # workers outlive a test
+    assert shared_rows.existing(dist.group.WORLD) is None
+    with _shared_memory(on=False):
+        _train_like_pytorch("fp32", steps=1)
+    assert shared_rows.existing(dist.group.WORLD) is None
