@@ -15,6 +15,8 @@ CPU with the gloo backend, ``--nproc`` ranks (default 2), one thread per rank:
 * ``shardwise_fsdp1`` (on request) - shardwise's ``FullyShardedDataParallel``, as ``torch_fsdp1``;
 * ``shardwise_gloo_collectives`` (on request) - ``shardwise`` calling gloo's all-gather and
   reduce-scatter as PyTorch does, not its in-place path ([Note: gloo without its copies]);
+* ``shardwise_shm`` (on request) - ``shardwise`` with ``SHARDWISE_SHARED_MEMORY=1``: at two
+  ranks the large rows through shared memory, only descriptors over gloo ([Note: shared rows]);
 * ``shardwise_compiled`` / ``torch_compiled`` (on request only) - ``shardwise`` /
   ``torch_fsdp`` with every block then compiled in place (``block.compile()``,
   inductor), as torchtitan does; the warm-up steps absorb compilation.
@@ -79,7 +81,7 @@ except Exception:  # noqa: BLE001 - the package itself is broken: load the model
 
 CONFIGS = ("shardwise", "torch_fsdp", "torch_fsdp1", "ddp", "local", "shardwise_int8")
 # Not in the default set (compiling takes a minute per config): ask for them by name.
-EXTRA_CONFIGS = ("shardwise_compiled", "torch_compiled", "shardwise_fsdp1", "shardwise_gloo_collectives")
+EXTRA_CONFIGS = ("shardwise_compiled", "torch_compiled", "shardwise_fsdp1", "shardwise_gloo_collectives", "shardwise_shm")
 BASELINE = "torch_fsdp"
 # ``--foreach``: AdamW's implementation, the same for every config. "on" is what AdamW picks
 # by itself on CUDA for DTensor and plain parameters alike; on CPU its default ("default"
@@ -145,6 +147,8 @@ def wrap(config: str, model: GPT, args: argparse.Namespace, world_size: int) -> 
     if config.endswith("_compiled"):
         for block in model.blocks:
             block.compile()
+    if config == "shardwise_shm":  # two ranks of one host through shared memory ([Note: shared rows])
+        os.environ["SHARDWISE_SHARED_MEMORY"] = "1"
     if config == "shardwise_gloo_collectives":  # gloo's own collectives, as PyTorch calls them
         import shardwise.comm
 

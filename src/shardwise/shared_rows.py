@@ -207,9 +207,9 @@ def _setup(group: dist.ProcessGroup) -> SharedRows | None:
         ctrl_mine[_MAX_BUFFERS] = nonce  # proves to the other rank that it opened this one
     except (OSError, RuntimeError):
         ok, fd, ctrl_mine = 0, -1, torch.empty(0, dtype=torch.int64)
-    mine = torch.tensor([os.getpid(), fd, nonce, ok])
-    both = torch.empty(2, 4, dtype=torch.int64)
-    dist.all_gather_into_tensor(both.view(-1), mine, group=group)
+    both = torch.zeros(2, 4, dtype=torch.int64)
+    both[me] = torch.tensor([os.getpid(), fd, nonce, ok])
+    dist.all_reduce(both, group=group)  # each rank's row from it (a sum of one row and zeros)
     pid, peer_fd, peer_nonce, peer_ok = (int(v) for v in both[1 - me])
     ctrl_peer = _open(pid, peer_fd, 8 * (_MAX_BUFFERS + 1)) if ok and peer_ok else None
     if ctrl_peer is None or int(ctrl_peer.view(torch.int64)[_MAX_BUFFERS]) != peer_nonce:
