@@ -32,7 +32,10 @@ host out of memory is an error naming the setting, not a SIGBUS later.
 Whether a group uses this is settled once, collectively, at its first
 large buffer: each rank must open the other's control block and find the
 number the other wrote there (one host, one process namespace), else the
-group stays on gloo.
+group stays on gloo. Only memory made here, of the size expected, is ever
+mapped (``_open`` checks the descriptor's target first): mapping a shorter
+file would extend it, and a process of the same number on another host is
+someone else's.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import torch.distributed as dist
 ENV = "SHARDWISE_SHARED_MEMORY"
 MIN_BYTES = 256 << 10
 _MAX_BUFFERS = 4096  # per rank and group: the control block's length
+_NAME = "shardwise-rows"  # of every memory made here (the other rank checks it)
 
 
 def requested() -> bool:
@@ -63,7 +67,7 @@ def _supported() -> bool:
 def _create(nbytes: int) -> tuple[torch.Tensor, int]:
     """Anonymous shared memory of ``nbytes`` (reserved now), mapped; and its
     file descriptor, by which the other rank opens it."""
-    fd = os.memfd_create("shardwise", os.MFD_CLOEXEC)
+    fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
@@ -77,9 +81,15 @@ def _create(nbytes: int) -> tuple[torch.Tensor, int]:
 
 def _open(pid: int, fd: int, nbytes: int) -> torch.Tensor | None:
     """The other rank's shared memory, by its process and descriptor; None if
-    it cannot be opened (another host, another process namespace)."""
+    it cannot be opened (another host, another process namespace). Only
+    memory this module made, of the size expected, is mapped: mapping
+    extends a shorter file, and the process of that number on another host
+    is someone else's."""
+    path = f"/proc/{pid}/fd/{fd}"
     try:
-        return _map(f"/proc/{pid}/fd/{fd}", nbytes)
+        if not os.readlink(path).startswith(f"/memfd:{_NAME} ") or os.stat(path).st_size != nbytes:
+            return None
+        return _map(path, nbytes)
     except (OSError, RuntimeError):
         return None
 
