@@ -516,6 +516,23 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
         raise ValueError(f"all-gather output of {output.numel()} elements for {size} ranks of {input.numel()}")
     if not input.numel():
         return _Works([])
+    shared = shared_rows.existing(group)
+    desc = None if shared is None else shared.describe(output)
+    if shared is not None and desc is not None:
+        # [Note: shared rows]: only where each rank's rows lie goes over gloo
+        rows[me].copy_(input.view(-1))
+        if _together:
+            _gathers_held.append(group)
+        parcel, every = _descriptors(group, desc, hold=_together > 0)
+        ours = shared
+
+        def copy_theirs() -> None:
+            for r in range(size):
+                if r != me:
+                    rows[r].copy_(ours.read(every[r], rows, r)[r])
+                    ours.done(every[r], r)
+
+        return _Works([parcel], copy_theirs)
     if size > 2 and _together and _small(input):
         # held to travel with the others of a run; every row is copied out
         parcel = _Parcel(group, input.view(-1), rows)
@@ -526,20 +543,24 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     if size == 2:
         if _together:
             _gathers_held.append(group)
-        shared = shared_rows.existing(group)
-        desc = None if shared is None else shared.describe(output)
-        if shared is not None and desc is not None:
-            # [Note: shared rows]: only where this rank's rows lie goes over gloo
-            got = torch.empty_like(desc)
-            ours = shared
-
-            def copy_theirs() -> None:
-                rows[1 - me].copy_(ours.read(got, rows)[1 - me])
-                ours.done(got)
-
-            return _Works([_post(group, desc, got, hold=_together > 0)], copy_theirs)
         return _Works([_post(group, input, rows[1 - me], hold=_together > 0)])
     return _Works([dist.broadcast(rows[r], group=group, group_src=r, async_op=True) for r in range(size)])
+
+
+def _descriptors(group: dist.ProcessGroup, desc: torch.Tensor, hold: bool) -> tuple[_Parcel, torch.Tensor]:
+    """Every rank's shared-buffer descriptor, rank-major (this rank's as
+    given), over gloo as one small exchange or gather, held as ``hold`` says
+    ([Note: held-back exchanges], [Note: shared rows])."""
+    size, me = group.size(), group.rank()
+    every = torch.empty(size, desc.numel(), dtype=desc.dtype)
+    every[me] = desc
+    if size == 2:
+        return _post(group, desc, every[1 - me], hold), every
+    parcel = _Parcel(group, desc, every)
+    _held.setdefault(group, []).append(parcel)
+    if not hold:
+        _send_held(group)
+    return parcel, every
 
 
 def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Works:
@@ -556,21 +577,26 @@ def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     if not out.numel():
         return _Works([])
     rows = input.view(size, -1)
+    shared = shared_rows.existing(group)
+    desc = None if shared is None else shared.describe(input)
+    if shared is not None and desc is not None:
+        # [Note: shared rows]: every rank's row for this rank, read where it
+        # lies, summed as below (the same additions in the same order)
+        parcel, every = _descriptors(group, desc, hold=True)
+        ours = shared
+
+        def sum_theirs() -> None:
+            parts = [rows[me] if r == me else ours.read(every[r], rows, r)[me] for r in range(size)]
+            if size == 2:
+                torch.add(parts[me], parts[1 - me], out=out)
+            else:
+                ring_sum(parts, me, out)
+            for r in range(size):
+                if r != me:
+                    ours.done(every[r], r)
+
+        return _Works([parcel], sum_theirs)
     if size == 2:
-        shared = shared_rows.existing(group)
-        desc = None if shared is None else shared.describe(input)
-        if shared is not None and desc is not None:
-            # [Note: shared rows]: this rank's row plus the other rank's row for
-            # it, read where it lies (the same addition as below)
-            parcel = _post(group, desc, None, hold=True)
-            ours = shared
-
-            def add_theirs() -> None:
-                theirs = ours.read(parcel.received, rows)[me]
-                torch.add(rows[me], theirs, out=out)
-                ours.done(parcel.received)
-
-            return _Works([parcel], add_theirs)
         parcel = _post(group, rows[1 - me], None, hold=True)
         return _Works([parcel], lambda: torch.add(rows[me], parcel.received, out=out))
     parcel = _post(group, rows, None, hold=True)
@@ -608,21 +634,22 @@ def ring_chunk(numel: int, itemsize: int, ranks: int) -> int:
     return segments // ranks * segment // itemsize
 
 
-def ring_sum(rows: torch.Tensor, rank: int, out: torch.Tensor) -> None:
-    """``out`` = the sum of ``rows`` (every rank's row for ``rank``, rank-major),
-    each element summed in the order gloo's ring sums it ([Note: gloo's ring order])."""
-    size, n = rows.shape
-    chunk = ring_chunk(size * n, rows.element_size(), size)
+def ring_sum(rows: torch.Tensor | Sequence[torch.Tensor], rank: int, out: torch.Tensor) -> None:
+    """``out`` = the sum of ``rows`` (every rank's row for ``rank``, rank-major:
+    a [ranks, n] tensor or ranks tensors of n), each element summed in the
+    order gloo's ring sums it ([Note: gloo's ring order])."""
+    size, n = len(rows), rows[0].numel()
+    chunk = ring_chunk(size * n, rows[0].element_size(), size)
     start = rank * n
     while start < (rank + 1) * n:
         c = start // chunk
         end = min((c + 1) * chunk, (rank + 1) * n)
         a, b = start - rank * n, end - rank * n
         part = out[a:b]
-        torch.add(rows[(c - 1) % size, a:b], rows[(c - 2) % size, a:b], out=part)
+        torch.add(rows[(c - 1) % size][a:b], rows[(c - 2) % size][a:b], out=part)
         for k in range(3, size):
-            part.add_(rows[(c - k) % size, a:b])
-        part.add_(rows[c % size, a:b])
+            part.add_(rows[(c - k) % size][a:b])
+        part.add_(rows[c % size][a:b])
         start = end
 
 

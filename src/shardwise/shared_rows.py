@@ -106,31 +106,38 @@ def _close(fds: list[int]) -> None:
 
 
 class SharedRows:
-    """One two-rank group's shared buffers: this rank's, the other rank's it
-    mapped, and both control blocks."""
+    """One gloo group's shared buffers: this rank's, the other ranks' it
+    mapped, and every rank's control block."""
 
     def __init__(
-        self, group: dist.ProcessGroup, peer_pid: int, ctrl_mine: torch.Tensor, ctrl_peer: torch.Tensor, fds: list[int]
+        self, group: dist.ProcessGroup, pids: list[int], ctrl_mine: torch.Tensor, ctrl_of: dict[int, torch.Tensor],
+        fds: list[int],
     ) -> None:
-        self.me = group.rank()
-        self.peer_pid = peer_pid
-        self.ctrl_mine = ctrl_mine  # [j]: the last exchange of the other rank's buffer j this rank read
-        self.ctrl_peer = ctrl_peer  # [i]: the last exchange of this rank's buffer i the other rank read
+        self.me, self.size = group.rank(), group.size()
+        self.pids = pids
+        # ctrl_mine[r * _MAX_BUFFERS + j]: the last exchange of rank r's buffer j this rank read;
+        # ctrl_of[r]: rank r's block, where it says which of this rank's buffers it read
+        self.ctrl_mine, self.ctrl_of = ctrl_mine, ctrl_of
         self.fds = fds  # this rank's descriptors, open while the group lives
         weakref.finalize(self, _close, fds)
         self.mine: list[torch.Tensor] = []
         self.last_use: list[int] = []
         self.free: dict[int, list[int]] = {}
         self.index: dict[int, int] = {}  # data address -> buffer
-        self.theirs: dict[int, torch.Tensor] = {}
+        self.theirs: dict[tuple[int, int], torch.Tensor] = {}  # (rank, its buffer) -> mapping
         self.seq = 0
         self.exchanges = 0  # how many went through shared memory (tests read it)
 
+    def _read(self, i: int) -> bool:
+        """Whether every other rank has read buffer i's last exchange."""
+        at = self.me * _MAX_BUFFERS + i
+        return all(int(ctrl[at]) >= self.last_use[i] for ctrl in self.ctrl_of.values())
+
     def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of ``nbytes`` that the other rank no longer reads."""
+        """A buffer of ``nbytes`` that no other rank reads any more."""
         free = self.free.get(nbytes, [])
         for k, i in enumerate(free):
-            if int(self.ctrl_peer[i]) >= self.last_use[i]:
+            if self._read(i):
                 del free[k]
                 return self.mine[i]
         i = len(self.mine)
@@ -153,7 +160,7 @@ class SharedRows:
 
     def describe(self, t: torch.Tensor) -> torch.Tensor | None:
         """If ``t`` lies in one of this rank's buffers (just written for an
-        exchange): the descriptor to send the other rank, [buffer, its file
+        exchange): the descriptor to send the other ranks, [buffer, its file
         descriptor, byte offset, buffer bytes, sequence number]; else None."""
         i = self.index.get(t.untyped_storage().data_ptr())
         if i is None:
@@ -163,21 +170,21 @@ class SharedRows:
         self.exchanges += 1
         return torch.tensor([i, self.fds[i + 1], t.storage_offset() * t.element_size(), self.mine[i].numel(), self.seq])
 
-    def read(self, desc: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """The other rank's tensor that ``desc`` describes, shaped as ``like``."""
+    def read(self, desc: torch.Tensor, like: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s tensor that its ``desc`` describes, shaped as ``like``."""
         i, fd, offset, nbytes, _ = (int(v) for v in desc.tolist())
-        buf = self.theirs.get(i)
+        buf = self.theirs.get((rank, i))
         if buf is None:
-            buf = _open(self.peer_pid, fd, nbytes)
+            buf = _open(self.pids[rank], fd, nbytes)
             if buf is None:
-                raise RuntimeError(f"{ENV}=1: could not open the other rank's buffer {i} (process {self.peer_pid})")
-            self.theirs[i] = buf
+                raise RuntimeError(f"{ENV}=1: could not open rank {rank}'s buffer {i} (process {self.pids[rank]})")
+            self.theirs[(rank, i)] = buf
         n = like.numel() * like.element_size()
         return buf[offset : offset + n].view(like.dtype).view(like.shape)
 
-    def done(self, desc: torch.Tensor) -> None:
-        """The other rank's buffer in ``desc`` was read: it may write it again."""
-        self.ctrl_mine[int(desc[0])] = int(desc[4])
+    def done(self, desc: torch.Tensor, rank: int) -> None:
+        """Rank ``rank``'s buffer in ``desc`` was read: it may write it again."""
+        self.ctrl_mine[rank * _MAX_BUFFERS + int(desc[0])] = int(desc[4])
 
 
 _groups: weakref.WeakKeyDictionary[dist.ProcessGroup, SharedRows | None] = weakref.WeakKeyDictionary()
@@ -199,34 +206,42 @@ def for_group(group: dist.ProcessGroup) -> SharedRows | None:
     exchanges over gloo alone."""
     if group in _groups:
         return _groups[group]
-    rows = _setup(group) if group.size() == 2 and _supported() else None
+    rows = _setup(group) if group.size() >= 2 and _supported() else None
     _groups[group] = rows
     return rows
 
 
 def _setup(group: dist.ProcessGroup) -> SharedRows | None:
-    me = group.rank()
+    me, size = group.rank(), group.size()
+    ctrl_bytes = 8 * (size * _MAX_BUFFERS + 1)
     ok = 1
     nonce = secrets.randbits(62)
     fds: list[int] = []
     try:
-        ctrl, fd = _create(8 * (_MAX_BUFFERS + 1))
+        ctrl, fd = _create(ctrl_bytes)
         fds.append(fd)
         ctrl_mine = ctrl.view(torch.int64)
         ctrl_mine.fill_(-1)
-        ctrl_mine[_MAX_BUFFERS] = nonce  # proves to the other rank that it opened this one
+        ctrl_mine[-1] = nonce  # proves to the other ranks that they opened this one
     except (OSError, RuntimeError):
         ok, fd, ctrl_mine = 0, -1, torch.empty(0, dtype=torch.int64)
-    both = torch.zeros(2, 4, dtype=torch.int64)
-    both[me] = torch.tensor([os.getpid(), fd, nonce, ok])
-    dist.all_reduce(both, group=group)  # each rank's row from it (a sum of one row and zeros)
-    pid, peer_fd, peer_nonce, peer_ok = (int(v) for v in both[1 - me])
-    ctrl_peer = _open(pid, peer_fd, 8 * (_MAX_BUFFERS + 1)) if ok and peer_ok else None
-    if ctrl_peer is None or int(ctrl_peer.view(torch.int64)[_MAX_BUFFERS]) != peer_nonce:
-        ok = 0
+    every = torch.zeros(size, 4, dtype=torch.int64)
+    every[me] = torch.tensor([os.getpid(), fd, nonce, ok])
+    dist.all_reduce(every, group=group)  # each rank's row from it (a sum of one row and zeros)
+    ok = int(every[:, 3].min())
+    ctrl_of: dict[int, torch.Tensor] = {}
+    for r in range(size):
+        if r == me or not ok:
+            continue
+        pid, peer_fd, peer_nonce, _ = (int(v) for v in every[r])
+        ctrl = _open(pid, peer_fd, ctrl_bytes)
+        if ctrl is None or int(ctrl.view(torch.int64)[-1]) != peer_nonce:
+            ok = 0
+        else:
+            ctrl_of[r] = ctrl.view(torch.int64)
     agreed = torch.tensor([ok])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)  # both opened both, or the group stays on gloo
-    if not int(agreed) or ctrl_peer is None:
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)  # all opened all, or the group stays on gloo
+    if not int(agreed):
         _close(fds)
         return None
-    return SharedRows(group, pid, ctrl_mine, ctrl_peer.view(torch.int64), fds)
+    return SharedRows(group, [int(v) for v in every[:, 0]], ctrl_mine, ctrl_of, fds)

@@ -62,11 +62,12 @@ def _train_like_pytorch(precision: str, steps: int = 3):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@multi_rank(world_sizes=(2,))
+@multi_rank(world_sizes=(2, 3, 4))
 def test_shared_rows_train_bit_for_bit_like_pytorch(precision):
     """With the setting on, every large all-gather and reduce-scatter of the
-    step goes through shared memory (only descriptors over gloo), training is
-    bit for bit PyTorch's, and no file is left in /dev/shm."""
+    step goes through shared memory (only descriptors over gloo; over more
+    than two ranks each reduce-scatter summed in gloo's ring order), training
+    is bit for bit PyTorch's, and no file is left in /dev/shm."""
     import torch.distributed as dist
 
     from shardwise import shared_rows
@@ -110,9 +111,9 @@ def test_a_shared_buffer_waits_for_the_other_rank_to_read_it():
         again.view(torch.int32).fill_(-1)
         rows.give(again)
     dist.barrier()
-    got = rows.read(theirs, torch.empty(n // 4, dtype=torch.int32))
+    got = rows.read(theirs, torch.empty(n // 4, dtype=torch.int32), 1 - me)
     assert torch.equal(got, torch.full((n // 4,), 100 + (1 - me), dtype=torch.int32))
-    rows.done(theirs)
+    rows.done(theirs, 1 - me)
     dist.barrier()
     if me == 0:
         assert rows.take(n).data_ptr() == buf.data_ptr()  # read now: handed out again

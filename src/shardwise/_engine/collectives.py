@@ -313,7 +313,7 @@ def _buffer(
 
 def _shares_rows(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> bool:
     return (
-        nbytes >= shared_rows.MIN_BYTES and shared_rows.requested() and group.size() == 2
+        nbytes >= shared_rows.MIN_BYTES and shared_rows.requested()
         and packs_exchanges(group, device) and not torch.compiler.is_compiling()
     )
 
