@@ -234,11 +234,11 @@ def _setup(group: dist.ProcessGroup) -> SharedRows | None:
         if r == me or not ok:
             continue
         pid, peer_fd, peer_nonce, _ = (int(v) for v in every[r])
-        ctrl = _open(pid, peer_fd, ctrl_bytes)
-        if ctrl is None or int(ctrl.view(torch.int64)[-1]) != peer_nonce:
+        theirs = _open(pid, peer_fd, ctrl_bytes)
+        if theirs is None or int(theirs.view(torch.int64)[-1]) != peer_nonce:
             ok = 0
         else:
-            ctrl_of[r] = ctrl.view(torch.int64)
+            ctrl_of[r] = theirs.view(torch.int64)
     agreed = torch.tensor([ok])
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)  # all opened all, or the group stays on gloo
     if not int(agreed):
