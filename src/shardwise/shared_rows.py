@@ -1,41 +1,41 @@
-"""Two ranks of one host exchanging a collective's rows through shared memory.
+"""Ranks of one host exchanging a collective's rows through shared memory.
 
 [Note: shared rows]
 Over gloo every byte of an exchange goes through loopback TCP: copied into
 the kernel and out again on gloo's threads, on the cores that compute needs
 (on this project's 2 cores, 40 ms of the fp32 GPT's 727 ms step at two
 ranks). With ``SHARDWISE_SHARED_MEMORY=1`` (off by default while it is new)
-a two-rank gloo group whose ranks can open each other's memory keeps the
-large buffers that its all-gathers gather into and its reduce-scatters
-reduce from (at least ``MIN_BYTES``) in anonymous shared memory
-(``memfd_create``) that both ranks map, the other rank through
+a gloo group whose ranks can open each other's memory keeps the large
+buffers that its all-gathers gather into and its reduce-scatters reduce
+from (at least ``MIN_BYTES``) in anonymous shared memory
+(``memfd_create``) that every rank of the group maps, the others through
 ``/proc/<pid>/fd/<fd>``: each rank writes its rows into its own buffer as
 before (the all-gather's copy-in, the reduce-scatter's copy-in of the
-gradients), the two ranks exchange only a descriptor of it (a few int64s,
-over gloo, held and packed like any small exchange, so collectives keep
-gloo's order on both ranks), and each reads the other's rows where they
-lie: the all-gather copies them into its own buffer, the reduce-scatter
-adds them to its row (the same addition, in the same order, as over gloo:
-the same bits).
+gradients); only a descriptor of it goes over gloo (a few int64s: over two
+ranks one exchange, over more one gather, held and packed like any small
+exchange or gather, so collectives keep gloo's order on every rank); and
+each rank reads the others' rows where they lie: the all-gather copies
+them into its own buffer, the reduce-scatter sums every rank's row for it
+as over gloo (over two ranks its own row plus the other's; over more in
+gloo's ring order, ``comm.ring_sum``): the same bits.
 
-A buffer read by the other rank must not be written again before that read
-ended. Every exchange of a buffer carries a sequence number; the reader,
-after reading, writes it in its control block (an int64 per buffer of the
-other rank, in memory the other rank maps), and a buffer given back is
-handed out again only once the other rank's control block shows its last
-exchange read; else a new buffer is made. (x86-64 alone: there a store is
-never seen before the loads that preceded it, so the count is written
-after the read.) Buffers stay for the group's life and have no name:
-nothing is left behind when a rank dies, and /dev/shm's size does not
-limit them. Memory is reserved with ``posix_fallocate`` when made, so a
-host out of memory is an error naming the setting, not a SIGBUS later.
-Whether a group uses this is settled once, collectively, at its first
-large buffer: each rank must open the other's control block and find the
-number the other wrote there (one host, one process namespace), else the
-group stays on gloo. Only memory made here, of the size expected, is ever
-mapped (``_open`` checks the descriptor's target first): mapping a shorter
-file would extend it, and a process of the same number on another host is
-someone else's.
+A buffer read by other ranks must not be written again before their reads
+ended. Every exchange of a buffer carries a sequence number; a reader,
+after reading, writes it in its control block (an int64 per buffer of each
+other rank, in memory they map), and a buffer given back is handed out
+again only once every other rank's control block shows its last exchange
+read; else a new buffer is made. (x86-64 alone: there a store is never
+seen before the loads that preceded it, so the count is written after the
+read.) Buffers stay for the group's life and have no name: nothing is left
+behind when a rank dies, and /dev/shm's size does not limit them. Memory
+is reserved with ``posix_fallocate`` when made, so a host out of memory is
+an error naming the setting, not a SIGBUS later. Whether a group uses this
+is settled once, collectively, at its first large buffer: each rank must
+open every other rank's control block and find the number that rank wrote
+there (one host, one process namespace), else the group stays on gloo.
+Only memory made here, of the size expected, is ever mapped (``_open``
+checks the descriptor's target first): mapping a shorter file would extend
+it, and a process of the same number on another host is someone else's.
 """
 
 from __future__ import annotations
