@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,3 +16,6 @@ if str(_SRC) not in sys.path:
 # Shared test support (tests/fsdp_reference.py); spawned ranks inherit sys.path.
 if str(_TESTS) not in sys.path:
     sys.path.append(str(_TESTS))
+# A task whose rank dies of a fatal signal runs once more, with a warning:
+# [Note: a crashed rank reruns once] in shardwise/testing/harness.py.
+os.environ.setdefault("SHARDWISE_TEST_RERUN_CRASHED", "1")

@@ -308,9 +308,10 @@ def test_killed_worker_is_detected():
     assert "---- rank 0 (died) ----\nworker process died (killed by SIGKILL)" in str(info.value)
 
 
-def test_crashed_worker_reports_where_it_crashed():
+def test_crashed_worker_reports_where_it_crashed(monkeypatch):
     """A rank killed by a fatal signal (a segfault in native code) is reported
     with the Python stack it died in (faulthandler), not only the signal."""
+    monkeypatch.setenv(harness.RERUN_CRASHED_ENV, "0")
     harness._get_pool(2)
     with pytest.raises(RankFailure) as info:
         run_on_ranks(_crash_on_rank_1, 2, timeout=60.0)
@@ -319,6 +320,37 @@ def test_crashed_worker_reports_where_it_crashed():
     assert "in _crash_on_rank_1" in text
     assert "in _run_task" not in text  # the harness's own frames are dropped
     assert run_on_ranks(_sleep, 2, seconds=0) == [None, None]  # a new pool serves the next task
+
+
+def _crash_first_time(marker):
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()
+    return dist.get_rank()
+
+
+def test_a_crashed_rank_runs_once_more_where_asked(monkeypatch, tmp_path):
+    """[Note: a crashed rank reruns once]: with the setting, a task whose rank
+    died of a fatal signal runs again on fresh workers, with a warning that
+    carries the crash; without it, or when it crashes again, it fails; an
+    exception is never rerun."""
+    monkeypatch.setenv(harness.RERUN_CRASHED_ENV, "1")
+    with pytest.warns(RuntimeWarning, match=r"(?s)a rank died of a fatal signal.*killed by SIGABRT"):
+        assert run_on_ranks(_crash_first_time, 2, timeout=60.0, marker=str(tmp_path / "once")) == [0, 1]
+    with pytest.raises(RankFailure, match="killed by SIGSEGV"), pytest.warns(RuntimeWarning):
+        run_on_ranks(_crash_on_rank_1, 2, timeout=60.0)  # crashes both times
+    with pytest.raises(RankFailure, match="raised"):
+        run_on_ranks(_raise_on_rank_1_once, 2, timeout=60.0, marker=str(tmp_path / "raised"))
+    monkeypatch.setenv(harness.RERUN_CRASHED_ENV, "0")
+    with pytest.raises(RankFailure, match="killed by SIGABRT"):
+        run_on_ranks(_crash_first_time, 2, timeout=60.0, marker=str(tmp_path / "again"))
+
+
+def _raise_on_rank_1_once(marker):
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise ValueError("once")
+    return dist.get_rank()
 
 
 # ----------------------------------------------- process groups of a task
