@@ -509,7 +509,9 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     """All-gather into ``output`` (rank-major): this rank's input copied into
     its row, the others received in place (one exchange over two ranks, with
     any reduce-scatter held back, else one broadcast per rank); see [Note:
-    gloo without its copies]."""
+    gloo without its copies]. An ``output`` in shared memory has only its
+    descriptors exchanged, and the others' rows copied from where they lie
+    ([Note: shared rows])."""
     size, me = group.size(), group.rank()
     rows = output.view(size, -1)
     if rows.shape[1] != input.numel():
@@ -569,7 +571,9 @@ def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     all-gather, [Note: held-back exchanges]) sends the other rank its row, and
     this rank's row plus what arrived goes into ``output``. Over more, one
     all-to-all brings every rank's row for this rank, summed as gloo's ring
-    sums them ([Note: gloo's ring order])."""
+    sums them ([Note: gloo's ring order]). An ``input`` in shared memory has
+    only its descriptors exchanged, and the others' rows for this rank are
+    summed where they lie, in the same order ([Note: shared rows])."""
     size, me = group.size(), group.rank()
     out = output.view(-1)
     if size * out.numel() != input.numel():

@@ -113,7 +113,7 @@ class SharedRows:
         self, group: dist.ProcessGroup, pids: list[int], ctrl_mine: torch.Tensor, ctrl_of: dict[int, torch.Tensor],
         fds: list[int],
     ) -> None:
-        self.me, self.size = group.rank(), group.size()
+        self.me = group.rank()
         self.pids = pids
         # ctrl_mine[r * _MAX_BUFFERS + j]: the last exchange of rank r's buffer j this rank read;
         # ctrl_of[r]: rank r's block, where it says which of this rank's buffers it read
@@ -202,7 +202,7 @@ def give(buf: torch.Tensor) -> bool:
 
 def for_group(group: dist.ProcessGroup) -> SharedRows | None:
     """The group's shared buffers, set up on first use (a collective over
-    ``group``: call it at the same point on both ranks); None where the group
+    ``group``: call it at the same point on every rank); None where the group
     exchanges over gloo alone."""
     if group in _groups:
         return _groups[group]
