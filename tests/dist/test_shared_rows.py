@@ -13,16 +13,20 @@ from shardwise.testing import multi_rank
 
 
 @contextlib.contextmanager
-def _shared_memory(on: bool = True):
+def _shared_memory(on: bool | None = True):
+    """The setting on, off ("0") or, with None, not set at all."""
     from shardwise import shared_rows
 
     old = os.environ.get(shared_rows.ENV)
-    os.environ[shared_rows.ENV] = "1" if on else "0"
+    if on is None:
+        os.environ.pop(shared_rows.ENV, None)
+    else:
+        os.environ[shared_rows.ENV] = "1" if on else "0"
     try:
         yield
     finally:
         if old is None:
-            del os.environ[shared_rows.ENV]
+            os.environ.pop(shared_rows.ENV, None)
         else:
             os.environ[shared_rows.ENV] = old
 
@@ -85,38 +89,47 @@ def test_shared_rows_train_bit_for_bit_like_pytorch(precision):
     assert not _ours_in_dev_shm()  # anonymous memory: no names
 
 
-@multi_rank(world_sizes=(2,))
-def test_a_shared_buffer_waits_for_the_other_rank_to_read_it():
-    """A buffer given back is not handed out again while the other rank has not
-    read its last exchange: another one is made; once read, it is reused."""
+@multi_rank(world_sizes=(2, 3))
+def test_a_shared_buffer_waits_for_every_other_rank_to_read_it():
+    """A buffer given back is not handed out again while any other rank has
+    not read its last exchange: another one is made; once every other rank
+    read it, it is handed out again."""
     import torch.distributed as dist
 
     from shardwise import shared_rows
 
-    group, me = dist.group.WORLD, dist.get_rank()
+    group, me, size = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     rows = shared_rows._setup(group)
     assert rows is not None
     n = 1 << 16
     buf = rows.take(n)
     buf.view(torch.int32).fill_(100 + me)
     desc = rows.describe(buf)
-    both = torch.zeros(2, desc.numel(), dtype=desc.dtype)
-    both[me] = desc
-    dist.all_reduce(both)
-    theirs = both[1 - me]
+    assert desc is not None
+    every = torch.zeros(size, desc.numel(), dtype=desc.dtype)
+    every[me] = desc
+    dist.all_reduce(every)
+
+    def read_rank_0():
+        got = rows.read(every[0], torch.empty(n // 4, dtype=torch.int32), 0)
+        assert torch.equal(got, torch.full((n // 4,), 100, dtype=torch.int32))
+        rows.done(every[0], 0)
+
+    if 0 < me < size - 1:
+        read_rank_0()  # all but the last rank read rank 0's buffer now
+    dist.barrier()
     if me == 0:
         rows.give(buf)
         again = rows.take(n)
-        assert again.data_ptr() != buf.data_ptr()  # rank 1 has not read buf yet
+        assert again.data_ptr() != buf.data_ptr()  # the last rank has not read buf yet
         again.view(torch.int32).fill_(-1)
         rows.give(again)
     dist.barrier()
-    got = rows.read(theirs, torch.empty(n // 4, dtype=torch.int32), 1 - me)
-    assert torch.equal(got, torch.full((n // 4,), 100 + (1 - me), dtype=torch.int32))
-    rows.done(theirs, 1 - me)
+    if me == size - 1:
+        read_rank_0()
     dist.barrier()
     if me == 0:
-        assert rows.take(n).data_ptr() == buf.data_ptr()  # read now: handed out again
+        assert rows.take(n).data_ptr() == buf.data_ptr()  # read by every rank now: handed out again
 
 
 @multi_rank(world_sizes=(2,))
@@ -142,13 +155,13 @@ def test_a_group_that_cannot_share_stays_on_gloo():
 
 @multi_rank(world_sizes=(2,))
 def test_off_by_default():
-    """Without the setting, no group sets shared memory up."""
+    """Without the setting in the environment, no group sets shared memory up."""
     import torch.distributed as dist
 
     from shardwise import shared_rows
 
     shared_rows._groups.pop(dist.group.WORLD, None)  # workers outlive a test
     assert shared_rows.existing(dist.group.WORLD) is None
-    with _shared_memory(on=False):
+    with _shared_memory(on=None):
         _train_like_pytorch("fp32", steps=1)
     assert shared_rows.existing(dist.group.WORLD) is None
