@@ -532,7 +532,7 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
             for r in range(size):
                 if r != me:
                     rows[r].copy_(ours.read(every[r], rows, r)[r])
-                    ours.done(every[r], r)
+            ours.done(every)
 
         return _Works([parcel], copy_theirs)
     if size > 2 and _together and _small(input):
@@ -595,9 +595,7 @@ def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
                 torch.add(parts[me], parts[1 - me], out=out)
             else:
                 ring_sum(parts, me, out)
-            for r in range(size):
-                if r != me:
-                    ours.done(every[r], r)
+            ours.done(every)
 
         return _Works([parcel], sum_theirs)
     if size == 2:

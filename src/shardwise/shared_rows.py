@@ -182,9 +182,12 @@ class SharedRows:
         n = like.numel() * like.element_size()
         return buf[offset : offset + n].view(like.dtype).view(like.shape)
 
-    def done(self, desc: torch.Tensor, rank: int) -> None:
-        """Rank ``rank``'s buffer in ``desc`` was read: it may write it again."""
-        self.ctrl_mine[rank * _MAX_BUFFERS + int(desc[0])] = int(desc[4])
+    def done(self, every: torch.Tensor) -> None:
+        """Every other rank's buffer in ``every`` (their descriptors, rank-major)
+        was read: each may write its buffer again."""
+        for rank, desc in enumerate(every.tolist()):
+            if rank != self.me:
+                self.ctrl_mine[rank * _MAX_BUFFERS + desc[0]] = desc[4]
 
 
 _groups: weakref.WeakKeyDictionary[dist.ProcessGroup, SharedRows | None] = weakref.WeakKeyDictionary()
@@ -197,6 +200,8 @@ def existing(group: dist.ProcessGroup) -> SharedRows | None:
 
 def give(buf: torch.Tensor) -> bool:
     """Take ``buf`` back if it is a shared buffer of any group."""
+    if not _groups:  # the usual case: nothing shared anywhere
+        return False
     return any(rows is not None and rows.give(buf) for rows in list(_groups.values()))
 
 
