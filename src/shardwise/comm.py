@@ -529,6 +529,7 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
         ours = shared
 
         def copy_theirs() -> None:
+            ours.check(every)
             for r in range(size):
                 if r != me:
                     rows[r].copy_(ours.read(every[r], rows, r)[r])
@@ -590,6 +591,7 @@ def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
         ours = shared
 
         def sum_theirs() -> None:
+            ours.check(every)
             parts = [rows[me] if r == me else ours.read(every[r], rows, r)[me] for r in range(size)]
             if size == 2:
                 torch.add(parts[me], parts[1 - me], out=out)

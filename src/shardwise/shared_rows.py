@@ -29,7 +29,11 @@ seen before the loads that preceded it, so the count is written after the
 read.) Buffers stay for the group's life and have no name: nothing is left
 behind when a rank dies, and /dev/shm's size does not limit them. Memory
 is reserved with ``posix_fallocate`` when made, so a host out of memory is
-an error naming the setting, not a SIGBUS later. Whether a group uses this
+an error naming the setting, not a SIGBUS later, and the same error on
+every rank of the group: a rank that cannot make a buffer takes an
+ordinary one and sends, in place of its descriptor, one that says why
+(buffer -1, the error number), so every rank raises at that exchange
+instead of the others waiting on a peer that left. Whether a group uses this
 is settled once, collectively, at its first large buffer: each rank must
 open every other rank's control block and find the number that rank wrote
 there (one host, one process namespace), else the group stays on gloo.
@@ -66,17 +70,17 @@ def _supported() -> bool:
 
 def _create(nbytes: int) -> tuple[torch.Tensor, int]:
     """Anonymous shared memory of ``nbytes`` (reserved now), mapped; and its
-    file descriptor, by which the other rank opens it."""
+    file descriptor, by which the other rank opens it. Raises OSError."""
     fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
     try:
         os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
+        return _map(f"/proc/self/fd/{fd}", nbytes), fd
+    except OSError:
         os.close(fd)
-        raise RuntimeError(
-            f"{ENV}=1: could not reserve {nbytes} bytes of shared memory ({exc}); set {ENV}=0 "
-            "to exchange over gloo alone"
-        ) from exc
-    return _map(f"/proc/self/fd/{fd}", nbytes), fd
+        raise
+    except RuntimeError as exc:  # torch could not map it
+        os.close(fd)
+        raise OSError(str(exc)) from exc
 
 
 def _open(pid: int, fd: int, nbytes: int) -> torch.Tensor | None:
@@ -125,6 +129,7 @@ class SharedRows:
         self.free: dict[int, list[int]] = {}
         self.index: dict[int, int] = {}  # data address -> buffer
         self.theirs: dict[tuple[int, int], torch.Tensor] = {}  # (rank, its buffer) -> mapping
+        self.refused: dict[int, int] = {}  # data address -> why (errno; 0: too many) of a buffer not made shared
         self.seq = 0
         self.exchanges = 0  # how many went through shared memory (tests read it)
 
@@ -141,9 +146,15 @@ class SharedRows:
                 del free[k]
                 return self.mine[i]
         i = len(self.mine)
-        if i >= _MAX_BUFFERS:
-            raise RuntimeError(f"{ENV}=1: more than {_MAX_BUFFERS} shared buffers in flight over one group")
-        buf, fd = _create(nbytes)
+        try:
+            if i >= _MAX_BUFFERS:
+                raise OSError(0, "too many")
+            buf, fd = _create(nbytes)
+        except OSError as exc:
+            # an ordinary buffer, whose exchange tells every rank why ([Note: shared rows])
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            self.refused[buf.data_ptr()] = exc.errno if exc.errno is not None and exc.errno > 0 else 0
+            return buf
         self.fds.append(fd)
         self.mine.append(buf)
         self.last_use.append(-1)
@@ -152,6 +163,7 @@ class SharedRows:
 
     def give(self, buf: torch.Tensor) -> bool:
         """Take ``buf`` back if it is one of this group's buffers."""
+        self.refused.pop(buf.untyped_storage().data_ptr(), None)
         i = self.index.get(buf.untyped_storage().data_ptr())
         if i is None:
             return False
@@ -161,14 +173,35 @@ class SharedRows:
     def describe(self, t: torch.Tensor) -> torch.Tensor | None:
         """If ``t`` lies in one of this rank's buffers (just written for an
         exchange): the descriptor to send the other ranks, [buffer, its file
-        descriptor, byte offset, buffer bytes, sequence number]; else None."""
-        i = self.index.get(t.untyped_storage().data_ptr())
+        descriptor, byte offset, buffer bytes, sequence number]; for one
+        that could not be made shared, [-1, why, 0, its bytes, sequence
+        number]; else None."""
+        address = t.untyped_storage().data_ptr()
+        why = self.refused.pop(address, None)
+        if why is not None:
+            self.seq += 1
+            return torch.tensor([-1, why, 0, t.untyped_storage().nbytes(), self.seq])
+        i = self.index.get(address)
         if i is None:
             return None
         self.seq += 1
         self.last_use[i] = self.seq
         self.exchanges += 1
         return torch.tensor([i, self.fds[i + 1], t.storage_offset() * t.element_size(), self.mine[i].numel(), self.seq])
+
+    def check(self, every: torch.Tensor) -> None:
+        """Raise, on every rank alike, if any rank's descriptor in ``every``
+        says it could not make its buffer shared."""
+        refused = [(rank, desc[1]) for rank, desc in enumerate(every.tolist()) if desc[0] < 0]
+        if refused:
+            why = "; ".join(
+                f"rank {rank}: " + (os.strerror(code) if code > 0 else f"more than {_MAX_BUFFERS} buffers in flight")
+                for rank, code in refused
+            )
+            raise RuntimeError(
+                f"{ENV}=1: shared memory for an exchange could not be made on ranks of this group ({why}); "
+                f"set {ENV}=0 to exchange over gloo alone"
+            )
 
     def read(self, desc: torch.Tensor, like: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s tensor that its ``desc`` describes, shaped as ``like``."""

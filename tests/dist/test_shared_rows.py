@@ -165,3 +165,57 @@ def test_off_by_default():
     with _shared_memory(on=None):
         _train_like_pytorch("fp32", steps=1)
     assert shared_rows.existing(dist.group.WORLD) is None
+
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+@multi_rank(world_sizes=(2, 3))
+def test_a_rank_that_cannot_make_shared_memory_fails_every_rank_alike(collective):
+    """A rank that cannot make a shared buffer for an exchange (here: no
+    memory left for it) still sends a descriptor, one that says why, so
+    every rank of the group raises the same error at that exchange, naming
+    the rank, the reason and the setting; none waits on a peer that left."""
+    import errno
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardwise import MixedPrecisionPolicy, fully_shard, shared_rows
+    from shardwise.models import GPT, GPTConfig, synthetic_batch
+
+    group = dist.new_group(list(range(dist.get_world_size())))  # its own: it is left mid-exchange
+    mesh = DeviceMesh.from_group(group, "cpu")
+    # bf16 gathers of 1.6 MB a block, fp32 reduce-scatters of 3.2 MB
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    cfg = GPTConfig(vocab_size=64, seq_len=16, dim=256, n_layers=2, n_heads=4)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    x, y = synthetic_batch(cfg, 2, seed=0, rank=dist.get_rank())
+    real_create = shared_rows._create
+    fails_from = shared_rows.MIN_BYTES if collective == "all_gather" else 2 << 20
+
+    def no_memory(nbytes):
+        if nbytes >= fails_from:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_create(nbytes)
+
+    with _shared_memory():
+        assert shared_rows.for_group(group) is not None  # set up (a collective) before any buffer fails
+        if dist.get_rank() == 1:
+            shared_rows._create = no_memory
+        try:
+            forward_done = False
+            with pytest.raises(RuntimeError) as caught:
+                loss = GPT.loss(model(x), y)
+                forward_done = True
+                assert collective == "reduce_scatter", "the forward's gathers should have failed"
+                loss.backward()
+        finally:
+            shared_rows._create = real_create
+    assert forward_done == (collective == "reduce_scatter")  # the reduce-scatter's buffer failed in backward
+    text = str(caught.value)
+    assert "rank 1: No space left on device" in text and f"{shared_rows.ENV}=0" in text, text
+    assert not any(f"rank {r}:" in text for r in range(dist.get_world_size()) if r != 1), text
