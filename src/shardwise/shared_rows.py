@@ -57,6 +57,7 @@ ENV = "SHARDWISE_SHARED_MEMORY"
 MIN_BYTES = 256 << 10
 _MAX_BUFFERS = 4096  # per rank and group: the control block's length
 _NAME = "shardwise-rows"  # of every memory made here (the other rank checks it)
+_TOO_MANY = -1  # why a buffer was not made shared, in its descriptor, beside errno values (0: not mapped)
 
 
 def requested() -> bool:
@@ -103,6 +104,13 @@ def _map(path: str, nbytes: int) -> torch.Tensor:
         return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def _why(code: int) -> str:
+    """What a refused buffer's descriptor says, in words."""
+    if code == _TOO_MANY:
+        return f"more than {_MAX_BUFFERS} buffers in flight"
+    return os.strerror(code) if code > 0 else "its memory could not be mapped"
+
+
 def _close(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -129,7 +137,7 @@ class SharedRows:
         self.free: dict[int, list[int]] = {}
         self.index: dict[int, int] = {}  # data address -> buffer
         self.theirs: dict[tuple[int, int], torch.Tensor] = {}  # (rank, its buffer) -> mapping
-        self.refused: dict[int, int] = {}  # data address -> why (errno; 0: too many) of a buffer not made shared
+        self.refused: dict[int, int] = {}  # data address -> why (errno, 0 or _TOO_MANY) of a buffer not made shared
         self.seq = 0
         self.exchanges = 0  # how many went through shared memory (tests read it)
 
@@ -146,14 +154,16 @@ class SharedRows:
                 del free[k]
                 return self.mine[i]
         i = len(self.mine)
-        try:
-            if i >= _MAX_BUFFERS:
-                raise OSError(0, "too many")
-            buf, fd = _create(nbytes)
-        except OSError as exc:
+        why = _TOO_MANY if i >= _MAX_BUFFERS else None
+        if why is None:
+            try:
+                buf, fd = _create(nbytes)
+            except OSError as exc:
+                why = exc.errno if exc.errno is not None and exc.errno > 0 else 0
+        if why is not None:
             # an ordinary buffer, whose exchange tells every rank why ([Note: shared rows])
             buf = torch.empty(nbytes, dtype=torch.uint8)
-            self.refused[buf.data_ptr()] = exc.errno if exc.errno is not None and exc.errno > 0 else 0
+            self.refused[buf.data_ptr()] = why
             return buf
         self.fds.append(fd)
         self.mine.append(buf)
@@ -195,8 +205,7 @@ class SharedRows:
         refused = [(rank, desc[1]) for rank, desc in enumerate(every.tolist()) if desc[0] < 0]
         if refused:
             why = "; ".join(
-                f"rank {rank}: " + (os.strerror(code) if code > 0 else f"more than {_MAX_BUFFERS} buffers in flight")
-                for rank, code in refused
+                f"rank {rank}: " + _why(code) for rank, code in refused
             )
             raise RuntimeError(
                 f"{ENV}=1: shared memory for an exchange could not be made on ranks of this group ({why}); "
