@@ -17,6 +17,7 @@ __all__ = [
     "MixedDtypeError",
     "ShardDimError",
     "CommHookError",
+    "CustomCommError",
     "SummonError",
 ]
 
@@ -80,6 +81,11 @@ class SummonError(UsageError, AssertionError):
 class CommHookError(UsageError, AssertionError):
     """register_comm_hook refused: a second hook, a nested wrapper, a hybrid
     strategy (PyTorch's FSDP1 asserts)."""
+
+
+class CustomCommError(ConfigError, AssertionError):
+    """A process group's allocator asked for where a custom AllGather /
+    ReduceScatter allocates (PyTorch asserts)."""
 
 
 MIN_TIMEOUT = 2.0

@@ -14,11 +14,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from shardwise._engine.collectives import is_default
 from shardwise._engine.module_state import ModuleState, state_of, states_under
 from shardwise._engine.param_group import ParamGroup, TrainingState
 from shardwise._engine.setup import shard_modules
 from shardwise.comm import AllGather, ReduceScatter, accepts_as
-from shardwise.errors import AlreadyShardedError, ConfigError, ConfigTypeError
+from shardwise.errors import AlreadyShardedError, ConfigError, ConfigTypeError, CustomCommError
 from shardwise.mesh import default_mesh
 from shardwise.policies import MixedPrecisionPolicy, OffloadPolicy, as_policy
 
@@ -35,8 +36,17 @@ _FSDP_CLASSES: dict[type, type] = {}
 
 
 class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the
-    all-gather and registers the unsharded parameters."""
+    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` finishes
+    the all-gather and registers the unsharded parameters. As PyTorch's, the
+    public class is a base whose own ``wait()`` does nothing (code may build
+    one for a module with nothing to gather)."""
+
+    def wait(self) -> None:
+        return
+
+
+class _UnshardHandleImpl(UnshardHandle):
+    """The handle of an unshard in flight, over its groups."""
 
     def __init__(self, groups: list[ParamGroup]) -> None:
         self._groups = groups
@@ -92,7 +102,7 @@ class FSDPModule:
             group.reset_sharded_params()
             group.unshard(async_op=async_op)
         if async_op:
-            return UnshardHandle(list(groups))
+            return _UnshardHandleImpl(list(groups))
         return None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -244,7 +254,17 @@ class FSDPModule:
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for compatibility. shardwise takes every communication buffer
         from the module's ``Comm`` (see :meth:`set_custom_all_gather`); install a
-        custom one to choose the allocator. Warns when enabled."""
+        custom one to choose the allocator. Warns when enabled. As PyTorch's,
+        refused (either way) where a custom one is installed: it allocates."""
+        for group in self._groups(recurse=False):
+            for kind, comm in (("all gather", group.settings.all_gather_comm),
+                               ("reduce scatter", group.settings.reduce_scatter_comm)):
+                if not is_default(comm):
+                    raise CustomCommError(
+                        f"cannot call set_allocate_memory_from_process_group() when {kind} comm is custom: "
+                        f"{type(comm).__name__} (its allocate() gives the buffers; drop the call, or "
+                        "allocate from the process group in it)"
+                    )
         if enable:
             warnings.warn(
                 "set_allocate_memory_from_process_group_for_comm has no effect in shardwise: "
@@ -346,8 +366,8 @@ def _set_prefetch(module: FSDPModule, modules: list[FSDPModule], attr: str) -> N
         raise ConfigTypeError(f"expected a list of FSDPModules, got {type(modules).__name__}.")
     groups = []
     for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ConfigError(f"Expects FSDPModule but got {type(m).__name__}: apply fully_shard to it first.")
+        if not isinstance(m, FSDPModule):  # PyTorch's words first: code matches on them
+            raise ConfigError(f"Expects FSDPModule but got {type(m)}: {m} (apply fully_shard to it first)")
         groups.extend(m._get_fsdp_state().groups)
     for group in module._get_fsdp_state().groups:
         setattr(group.settings, attr, groups)
@@ -516,18 +536,27 @@ def fully_shard(
 
 
 def _check_modules(module: Any) -> tuple[nn.Module, ...]:
+    """The modules ``fully_shard`` manages: as PyTorch's, of a list only those
+    with no ancestor in it (a listed module inside another listed one is
+    already managed by that one, and stays as it is)."""
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
         raise ConfigError("fully_shard got an empty list of modules; pass at least one nn.Module.")
     for m in modules:
         if not isinstance(m, nn.Module):
             raise ConfigTypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}.")
-        if state_of(m) is not None:
+    if len(modules) > 1:
+        under = {id(m): {id(sub) for sub in m.modules()} for m in modules}
+        modules = tuple(m for m in modules if not any(m is not o and id(m) in under[id(o)] for o in modules))
+    seen: set[int] = set()
+    for m in modules:
+        if state_of(m) is not None or id(m) in seen:
             raise AlreadyShardedError(
                 "Each distinct composable distributed API can only be applied to a module once. "
                 f"fully_shard has already been applied to this {type(m).__name__}; apply it once per "
-                "module (to group several modules, pass them together as a list)."
+                "module (to group several modules, pass them together as a list, each once)."
             )
+        seen.add(id(m))
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ConfigError(
                 f"fully_shard does not support containers that do not implement forward: {type(m).__name__} "

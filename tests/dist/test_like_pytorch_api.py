@@ -1282,3 +1282,131 @@ def test_shared_parameter_error_names_what_pytorch_names():
         theirs, ours = messages
         assert ours.startswith(theirs), (layout, theirs, ours)
         assert "Its other place: '" in ours, ours
+
+
+# ---------------------------------------------------------------------------
+# Drop-in details a sweep of PyTorch's own FSDP2 tests found (twenty-sixth session).
+@multi_rank(world_sizes=(2,))
+def test_deepcopy_of_a_plain_submodule_like_pytorch():
+    """copy.deepcopy of a plain module whose parameters a sharded module holds
+    (a block's Linear, the root group's first layer) gives a copy with the
+    same DTensor parameters, as PyTorch's does; the sharded module itself
+    still refuses to be deep-copied."""
+    a, b = _both()
+    for pick in (lambda m: m.blocks[0].lin1, lambda m: m.inp):
+        ca, cb = (copy.deepcopy(pick(m)) for m in (a, b))
+        assert type(ca) is type(cb) is nn.Linear
+        for (n, pa), (_, pb) in zip(ca.named_parameters(), cb.named_parameters()):
+            assert type(pa) is type(pb) is DTensor and pa.placements == pb.placements, n
+            assert torch.equal(pa.full_tensor(), pb.full_tensor()), n
+    assert _outcome(lambda: copy.deepcopy(a.blocks[0])) == _outcome(lambda: copy.deepcopy(b.blocks[0])) != "ok"
+
+
+@multi_rank(world_sizes=(2,))
+def test_a_listed_module_inside_another_listed_one_is_left_as_is():
+    """fully_shard([block, block.lin1]) manages only the block (PyTorch drops a
+    listed module with an ancestor in the list): lin1 stays a plain Linear
+    with no state, and training matches PyTorch's, also when the list is the
+    root ([model, model.inp]); a module listed twice is refused alike."""
+    from shardwise import fully_shard
+
+    for root_list in (False, True):
+        models = []
+        for fs in (_sw(), _pt()):
+            torch.manual_seed(0)
+            m = Net()
+            fs([m.blocks[0], m.blocks[0].lin1])
+            if root_list:
+                fs([m, m.inp])
+            else:
+                fs(m)
+            models.append(m)
+        a, b = models
+        assert type(a.blocks[0].lin1) is type(b.blocks[0].lin1) is nn.Linear
+        assert type(a.inp) is type(b.inp) is nn.Linear
+        assert fully_shard.state(a.blocks[0].lin1) is None
+        _train_compare(a, b)
+    got = {}
+    for name, fs in (("torch", _pt()), ("shardwise", _sw())):
+        block = Block()
+        got[name] = _outcome(lambda: fs([block, block]))
+        assert not hasattr(block, "_get_fsdp_state") or name == "torch", type(block)
+    assert set(got["torch"].split("|")) == {"AssertionError"} <= set(got["shardwise"].split("|")), got
+
+
+@multi_rank(world_sizes=(2,))
+def test_unshard_handle_is_a_base_class_as_in_pytorch():
+    """UnshardHandle() builds with no arguments and its wait() returns None
+    (PyTorch's public class is such a base); unshard(async_op=True) returns
+    an instance of it whose wait() gathers."""
+    from torch.distributed.fsdp import UnshardHandle as PTHandle
+
+    from shardwise import UnshardHandle
+
+    assert UnshardHandle().wait() is None and PTHandle().wait() is None
+    a, b = _both()
+    for m, cls in ((a, UnshardHandle), (b, PTHandle)):
+        handle = m.blocks[0].unshard(async_op=True)
+        assert isinstance(handle, cls) and type(handle) is not cls, type(handle)
+        assert handle.wait() is None
+        assert all(type(p) is nn.Parameter and not isinstance(p, DTensor) for p in m.blocks[0].parameters())
+        m.blocks[0].reshard()
+
+
+@multi_rank(world_sizes=(2,))
+def test_error_words_pytorchs_code_matches_on():
+    """Prefetching a module fully_shard has not touched says PyTorch's words
+    ("Expects FSDPModule but got <class ...>: <module>"); parameters left on
+    the meta device are listed as PyTorch lists them (the first group with
+    any, the root's, named from the root); asking for the process group's
+    allocator with a custom all-gather or reduce-scatter installed is
+    refused as PyTorch refuses it (AssertionError, either setting)."""
+    import re
+
+    a, b = _both()
+    texts = {}
+    for name, m in (("shardwise", a), ("torch", b)):
+        try:
+            m.blocks[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+        except ValueError as e:
+            texts[name] = str(e)
+    pattern = r"^Expects FSDPModule but got <class 'torch\.nn\.modules\.linear\.Linear'>: Linear\(in_features=2"
+    assert all(re.match(pattern, t) for t in texts.values()) and len(texts) == 2, texts
+
+    listed = {}
+    for name, fs in (("shardwise", _sw()), ("torch", _pt())):
+        with torch.device("meta"):
+            m = Net()
+        for blk in m.blocks:
+            fs(blk)
+        fs(m)
+        try:
+            m(torch.randn(2, 8))
+        except RuntimeError as e:
+            listed[name] = re.search(r"still on meta device: (\[.*?\])", str(e)).group(1)
+    assert listed["shardwise"] == listed["torch"] == "['inp.weight', 'inp.bias', 'out.weight', 'out.bias']", listed
+
+    from shardwise import AllGather as SWAllGather
+    from shardwise import ReduceScatter as SWReduceScatter
+
+    class AG(SWAllGather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    class RS(SWReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    for setter, comm in (("set_custom_all_gather", AG()), ("set_custom_reduce_scatter", RS())):
+        for enable in (True, False):
+            got = {}
+            for name, m in (("shardwise", _both()[0]), ("torch", _both()[1])):
+                getattr(m.blocks[0], setter)(comm)
+                got[name] = _outcome(lambda: m.blocks[0].set_allocate_memory_from_process_group_for_comm(enable))
+            assert got["torch"] == "AssertionError" and "AssertionError" in got["shardwise"].split("|"), (setter, got)

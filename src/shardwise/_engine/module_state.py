@@ -183,7 +183,11 @@ class ModuleState:
         for owner in owners.values():
             owner.register_state_dict_pre_hook(lambda *_a, **_k: self._reshard_for_state_dict())  # type: ignore[no-untyped-call]
             owner.register_load_state_dict_pre_hook(lambda *_a, **_k: self._reshard_for_state_dict())  # type: ignore[no-untyped-call]
-            owner.register_load_state_dict_post_hook(self._check_loaded_params)  # type: ignore[no-untyped-call]
+            # a function, not a bound method: copy.deepcopy of a plain submodule
+            # copies a bound method's instance (this state), not a function
+            owner.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                lambda module, incompatible: self._check_loaded_params(module, incompatible)
+            )
 
     def _reshard_for_state_dict(self) -> None:
         for group in self.groups:
@@ -264,8 +268,13 @@ class ModuleState:
                 if i:
                     group.name += f" [mesh {i}]"
                 group.reset_sharded_params()
-        on_meta = [p.fqn for state in states for group in state.groups for p in group.params
-                   if p.sharded_param.device.type == "meta"]
+        # as PyTorch's: the first group (the root's first) with any, named from the root
+        names = {id(param): name for name, param in self.modules[0].named_parameters()}
+        on_meta: list[str] = []
+        for group in (group for state in states for group in state.groups):
+            on_meta = [names.get(id(p.sharded_param), p.fqn) for p in group.params if p.sharded_param.device.type == "meta"]
+            if on_meta:
+                break
         if on_meta:
             self.is_root = None
             raise RuntimeError(
