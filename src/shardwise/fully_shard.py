@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard
 
 from shardwise._engine.collectives import is_default
 from shardwise._engine.module_state import ModuleState, state_of, states_under
-from shardwise._engine.param_group import ParamGroup, TrainingState
+from shardwise._engine.param_group import ParamGroup
 from shardwise._engine.setup import shard_modules
 from shardwise.comm import AllGather, ReduceScatter, accepts_as
 from shardwise.errors import AlreadyShardedError, ConfigError, ConfigTypeError, CustomCommError
@@ -393,20 +393,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
             f"method_name={method_name!r} must name a method of the module."
         )
     orig = getattr(module, method_name)
+    state = module._get_fsdp_state()
 
     @functools.wraps(orig)
     def wrapped(self: FSDPModule, *args: Any, **kwargs: Any) -> Any:
-        state = self._get_fsdp_state()
-        args, kwargs = state.pre_forward(args, kwargs)
-        out = orig(*args, **kwargs)
-        # A method that runs the module's own forward inside (generate) has
-        # ended that forward already: as under PyTorch, this second
-        # post-forward then reshards fully, the root's groups included.
-        ended = [g for g in state.groups if g.training_state == TrainingState.IDLE]
-        out = state.post_forward(out)
-        for group in ended:
-            group.reshard()
-        return out
+        args, kwargs = state.method_pre_forward(args, kwargs)
+        return state.method_post_forward(orig(*args, **kwargs))
 
     # bound, as PyTorch binds it (inspect.ismethod, __self__)
     setattr(module, method_name, types.MethodType(wrapped, module))

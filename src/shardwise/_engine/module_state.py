@@ -364,6 +364,24 @@ class ModuleState:
                 self._root_post_forward(output)
         return output
 
+    # register_fsdp_forward_method's hooks around another method (generate):
+    # outside any graph torch.compile traces, as the module hooks ([Note: hooks
+    # outside the traced region]); the method's own body is traced.
+    @dynamo_disable
+    def method_pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return self.pre_forward(args, kwargs)
+
+    @dynamo_disable
+    def method_post_forward(self, output: Any) -> Any:
+        # A method that runs the module's own forward inside (generate) has
+        # ended that forward already: as under PyTorch, this second
+        # post-forward then reshards fully, the root's groups included.
+        ended = [g for g in self.groups if g.training_state == TrainingState.IDLE]
+        output = self.post_forward(output)
+        for group in ended:
+            group.reshard()
+        return output
+
     def _register_pre_backward(self, output: Any) -> None:
         tensors = _tensors_requiring_grad(output)
         if self.warn_view_outputs:
