@@ -18,6 +18,7 @@ __all__ = [
     "ShardDimError",
     "CommHookError",
     "CustomCommError",
+    "InconsistentSettingsError",
     "SummonError",
 ]
 
@@ -86,6 +87,10 @@ class CommHookError(UsageError, AssertionError):
 class CustomCommError(ConfigError, AssertionError):
     """A process group's allocator asked for where a custom AllGather /
     ReduceScatter allocates (PyTorch asserts)."""
+
+
+class InconsistentSettingsError(ConfigError, AssertionError):
+    """Wrappers whose settings must agree do not (PyTorch's FSDP1 asserts)."""
 
 
 MIN_TIMEOUT = 2.0

@@ -30,7 +30,7 @@ import copy
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -293,9 +293,15 @@ def post_order(root: nn.Module) -> Iterator[tuple[nn.Module | None, str, nn.Modu
     yield from visit(root, "", None)
 
 
+def _runs_policy(policy: object) -> bool:
+    """A policy object of PyTorch's own (``torch.distributed.fsdp.wrap``'s
+    ``CustomPolicy``, ``ModuleWrapPolicy``): the same ``_run_policy`` as ours."""
+    return not isinstance(policy, Policy) and callable(getattr(policy, "_run_policy", None))
+
+
 def check_policy(policy: object, arg: str) -> None:
     """Refuse anything but a policy object or a callable, naming ``arg``."""
-    if not isinstance(policy, Policy) and not callable(policy):
+    if not isinstance(policy, Policy) and not callable(policy) and not _runs_policy(policy):
         raise ConfigTypeError(
             f"{arg} must be a policy object (ModuleWrapPolicy, CustomPolicy) or a policy function "
             f"such as functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{Block}}), "
@@ -332,8 +338,8 @@ def plan_wrapping(
     ignored_m = ignored_modules or set()
     ignored_p = {id(p) for p in (ignored_params or ())}
     extra = tuple(also_wrap)
-    if isinstance(policy, Policy):
-        plan = policy._run_policy(root, ignored_m, kwargs)
+    if isinstance(policy, Policy) or _runs_policy(policy):
+        plan = cast(Any, policy)._run_policy(root, ignored_m, kwargs)
         if not isinstance(plan, dict):
             raise ConfigTypeError(f"{type(policy).__name__}._run_policy must return a dict, got {type(plan).__name__}.")
         if extra:

@@ -224,16 +224,26 @@ def test_backward_prefetch_in_post_backward():
 
 @multi_rank(world_sizes=(2,))
 def test_keep_low_precision_grads():
+    """Kept low-precision gradients are the reduced bf16 gradients themselves:
+    the same values as the run that casts them up to fp32, local tensors and
+    all (not fp32 zeros under a bf16 DTensor)."""
     from shardwise import MixedPrecisionPolicy
 
-    model, cfg = _model(mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    for b in model.blocks:
-        b._get_fsdp_state().group.settings.keep_low_precision_grads = True
-    _step(model, cfg)
-    for b in model.blocks:
-        for p in b.parameters():
-            assert p.dtype == torch.float32 and p.grad.dtype == torch.bfloat16
-    assert model.tok_emb.weight.grad.dtype == torch.float32
+    grads = []
+    for keep in (False, True):
+        model, cfg = _model(mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        for b in model.blocks:
+            b._get_fsdp_state().group.settings.keep_low_precision_grads = keep
+        _step(model, cfg)
+        if keep:
+            for b in model.blocks:
+                for p in b.parameters():
+                    assert p.dtype == torch.float32 and p.grad.dtype == p.grad.to_local().dtype == torch.bfloat16
+            assert model.tok_emb.weight.grad.dtype == torch.float32
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    assert any(g.abs().sum() > 0 for g in grads[1].values())
+    for n, g in grads[0].items():
+        assert torch.equal(grads[1][n].float(), g), n
 
 
 @multi_rank(world_sizes=(2,))

@@ -316,7 +316,7 @@ def test_summon_full_params_variants():
 
     model, cfg = _gpt()
     ref = copy.deepcopy(model)
-    w = _wrap_gpt(model)
+    w = _wrap_gpt(model, use_orig_params=True)  # with_grads below needs it (as in FSDP1)
     shapes = {n: p.shape for n, p in ref.named_parameters()}
     with FSDP.summon_full_params(w), torch.no_grad():
         assert {n: p.shape for n, p in w.named_parameters()} == shapes

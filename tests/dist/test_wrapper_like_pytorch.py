@@ -211,8 +211,9 @@ def test_state_dict_inside_summon_full_params_like_pytorch(recurse, after_forwar
 @multi_rank(world_sizes=(2,))
 def test_keep_low_precision_grads_dtype_like_pytorch(use_orig_params):
     """MixedPrecision(param_dtype=fp16, reduce_dtype=fp32, keep_low_precision_grads=True):
-    PyTorch's gradients after backward are in param_dtype (fp16); shardwise's are in
-    reduce_dtype (fp32)."""
+    gradients after backward are in param_dtype (fp16) under both, with the same
+    values: their total norm is PyTorch's (it was 0 when the kept gradients'
+    local tensors stayed fp32 zeros)."""
     import torch.distributed.fsdp.wrap as twrap
 
     import shardwise
@@ -227,6 +228,10 @@ def test_keep_low_precision_grads_dtype_like_pytorch(use_orig_params):
     ours = {p.grad.dtype for p in o.parameters() if p.grad is not None}
     assert theirs == {torch.float16}
     assert ours == theirs
+    assert {p.grad.to_local().dtype for p in o.parameters() if p.grad is not None} == {torch.float16}
+    norms = [m.clip_grad_norm_(1e9).float() for m in (o, t)]
+    assert norms[1] > 0
+    torch.testing.assert_close(norms[0], norms[1], rtol=2e-3, atol=0)
 
 
 def _err_nested_clip(F, m):
@@ -449,7 +454,7 @@ def test_unused_parameters_get_zero_gradients_like_fsdp1(rank_dependent):
     torch.manual_seed(0)
     base = Net()
     got = {}
-    for name, lib, kw in (("sw", shardwise, {}),
+    for name, lib, kw in (("sw", shardwise, {"use_orig_params": True}),
                           ("pt", tfsdp, {"use_orig_params": True, "device_id": torch.device("cpu")})):
         model = lib.FullyShardedDataParallel(copy.deepcopy(base), **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
@@ -1671,3 +1676,229 @@ def test_gradient_division_around_the_sum_like_fsdp1():
             got[name] = [q.grad.clone() for q in model.parameters()]
     assert any((g.abs() < torch.finfo(torch.float32).tiny).any() and g.any() for g in got["pt"])
     assert all(torch.equal(a, b) for a, b in zip(got["sw"], got["pt"]))
+
+
+# ---------------------------------------------------------------------------
+# From a sweep of PyTorch's FSDP1 tests (twenty-sixth session).
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@multi_rank(world_sizes=(2,))
+def test_kept_low_precision_gradients_have_pytorchs_values(strategy):
+    """keep_low_precision_grads=True: the fp16 gradients hold the values
+    (they were fp32 zeros under an fp16 DTensor, so clip_grad_norm_ gave 0):
+    every gradient equals FSDP1's, and so does the total norm."""
+    import shardwise
+
+    mp = shardwise.MixedPrecision(param_dtype=torch.float16, keep_low_precision_grads=True)
+    o, t = _both(use_orig_params=True, mixed_precision=mp,
+                 sharding_strategy=getattr(shardwise.ShardingStrategy, strategy))
+    x = _x()
+    for m in (o, t):
+        m(x).float().pow(2).sum().backward()
+    ours = {n.replace("_fsdp_wrapped_module.", ""): p.grad.full_tensor() for n, p in o.named_parameters()}
+    assert {g.dtype for g in ours.values()} == {torch.float16}
+    assert all(g.abs().sum() > 0 for g in ours.values())
+    norms = [m.clip_grad_norm_(1e9).float() for m in (o, t)]
+    assert norms[1] > 0
+    torch.testing.assert_close(norms[0], norms[1], rtol=2e-3, atol=0)
+
+
+@multi_rank(world_sizes=(2,))
+def test_summon_full_params_refusals_like_pytorch():
+    """summon_full_params inside another over the same wrapper (or a child of
+    a recursive one) asserts; with_grads with use_orig_params=False or
+    offload_to_cpu, and offload_to_cpu on a NO_SHARD unit, are not
+    supported: the same exception types as FSDP1's, and nothing stays
+    marked after a refusal (a later summon works)."""
+    import shardwise
+
+    def outcome(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            return tuple(c.__name__ for c in (AssertionError, NotImplementedError, ValueError) if isinstance(e, c))
+        return "ok"
+
+    got = {}
+    for name, lib, extra in _side_by_side():
+        F = lib.FullyShardedDataParallel
+
+        def wrapped(use_orig_params=True, strategy="FULL_SHARD"):
+            torch.manual_seed(0)
+            m = Net()
+            m.blocks[0] = F(m.blocks[0], use_orig_params=use_orig_params,
+                            sharding_strategy=getattr(lib.ShardingStrategy, strategy), **extra)
+            return F(m, use_orig_params=use_orig_params, sharding_strategy=getattr(lib.ShardingStrategy, strategy),
+                     **extra)
+
+        def nested_same():
+            w = wrapped()
+            with F.summon_full_params(w), F.summon_full_params(w):
+                pass
+
+        def nested_child():
+            w = wrapped()
+            with F.summon_full_params(w), F.summon_full_params(w.blocks[0]):
+                pass
+
+        def after_refusal():
+            w = wrapped()
+            with F.summon_full_params(w):
+                try:
+                    with F.summon_full_params(w):
+                        pass
+                except AssertionError:
+                    pass
+            with F.summon_full_params(w):
+                pass
+
+        def grads_flat():
+            with F.summon_full_params(wrapped(use_orig_params=False), with_grads=True):
+                pass
+
+        def grads_offload():
+            with F.summon_full_params(wrapped(), with_grads=True, offload_to_cpu=True, rank0_only=True,
+                                      writeback=False):
+                pass
+
+        def offload_no_shard():
+            with F.summon_full_params(wrapped(strategy="NO_SHARD"), offload_to_cpu=True, rank0_only=True,
+                                      writeback=False):
+                pass
+
+        got[name] = {f.__name__: outcome(f) for f in (nested_same, nested_child, after_refusal, grads_flat,
+                                                       grads_offload, offload_no_shard)}
+    pt, sw = got["pt"], got["sw"]
+    assert pt == {"nested_same": ("AssertionError",), "nested_child": ("AssertionError",), "after_refusal": "ok",
+                  "grads_flat": ("NotImplementedError",), "grads_offload": ("NotImplementedError",),
+                  "offload_no_shard": ("NotImplementedError",)}, pt
+    for case, want in pt.items():
+        assert want == "ok" and sw[case] == "ok" or set(want) <= set(sw[case]), (case, want, sw[case])
+
+
+@multi_rank(world_sizes=(2,))
+def test_wrapper_construction_details_like_pytorch():
+    """A policy selecting a nested ModuleList of wrapped blocks
+    (always_wrap_policy) wraps it and trains like FSDP1; PyTorch's own
+    CustomPolicy object is taken as a policy; a wrapper may wrap a wrapper
+    (FSDP(FSDP(m)) trains like FSDP1's); wrappers of one model with
+    different use_orig_params or limit_all_gathers are refused at the first
+    forward (ValueError, PyTorch's words); param_init_fn is checked where
+    it is used (a module with nothing on meta takes any), and a
+    non-callable one is a ValueError."""
+    import re
+
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    o, t = _both(swrap.always_wrap_policy, twrap.always_wrap_policy, use_orig_params=True)
+    assert type(o.blocks).__name__ == type(t.blocks).__name__ == "FullyShardedDataParallel"
+    _train_both(o, t)
+    _assert_same_params(o, t)
+
+    pick = lambda m: isinstance(m, Block)  # noqa: E731
+    o, t = _both(twrap.CustomPolicy(pick), twrap.CustomPolicy(pick), use_orig_params=True)
+    assert sum(isinstance(m, shardwise.FullyShardedDataParallel) for m in o.modules()) == 3
+    _train_both(o, t)
+    _assert_same_params(o, t)
+
+    torch.manual_seed(0)
+    base = Net()
+    o = shardwise.FullyShardedDataParallel(shardwise.FullyShardedDataParallel(copy.deepcopy(base)))
+    t = tfsdp.FullyShardedDataParallel(tfsdp.FullyShardedDataParallel(copy.deepcopy(base), device_id=torch.device("cpu")),
+                                       device_id=torch.device("cpu"))
+    _train_both(o, t)
+    _assert_same_params(o, t)
+
+    for attr, inner, outer in (("use_orig_params", True, False), ("limit_all_gathers", True, False)):
+        texts = {}
+        for name, lib, extra in _side_by_side():
+            torch.manual_seed(0)
+            m = Net()
+            m.blocks[0] = lib.FullyShardedDataParallel(m.blocks[0], **{attr: inner}, **extra)
+            w = lib.FullyShardedDataParallel(m, **{attr: outer}, **extra)
+            with pytest.raises(ValueError) as caught:
+                w(_x())
+            texts[name] = str(caught.value)
+        assert all(re.match(rf"Expects one homogeneous value for _?{attr} but got", s) for s in texts.values()), texts
+
+    for name, lib, extra in _side_by_side():
+        lib.FullyShardedDataParallel(Net(), param_init_fn=42, **extra)  # nothing on meta: not used, not checked
+        with torch.device("meta"):
+            m = Net()
+        with pytest.raises(ValueError, match="^Expected 42 to be callable"):
+            lib.FullyShardedDataParallel(m, param_init_fn=42, **extra)
+
+
+def _assert_same_params(o, t):
+    import shardwise
+
+    F = shardwise.FullyShardedDataParallel
+    with F.summon_full_params(o), type(t).summon_full_params(t):
+        po = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in o.named_parameters()}
+        pt = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in t.named_parameters()}
+    assert po.keys() == pt.keys(), (sorted(po), sorted(pt))
+    for n in po:
+        torch.testing.assert_close(po[n], pt[n], msg=n)
+
+
+@multi_rank(world_sizes=(2,))
+def test_state_dict_settings_and_optimizer_state_details_like_pytorch():
+    """set/get_state_dict_type on a module with no wrapper give what FSDP1's
+    give ((None, None, None) and None); wrappers with different settings make
+    get_state_dict_type assert; an optimizer state dict without
+    param_groups goes through optim_state_dict and optim_state_dict_to_load
+    without them (PyTorch's test_optim_state_without_param_groups), and the
+    loadable state is keyed in the optimizer's order."""
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    for name, lib, extra in _side_by_side():
+        F = lib.FullyShardedDataParallel
+        plain = Net()
+        prev = F.set_state_dict_type(plain, lib.StateDictType.SHARDED_STATE_DICT)
+        assert (prev.state_dict_type, prev.state_dict_config, prev.optim_state_dict_config) == (None, None, None)
+        assert F.get_state_dict_type(plain) is None, name
+        torch.manual_seed(0)
+        m = Net()
+        m.blocks[0] = F(m.blocks[0], use_orig_params=True, **extra)
+        w = F(m, use_orig_params=True, **extra)
+        F.set_state_dict_type(w.blocks[0], lib.StateDictType.SHARDED_STATE_DICT)
+        with pytest.raises(AssertionError, match="All FSDP modules must have the same state dict settings"):
+            F.get_state_dict_type(w)
+
+    results = {}
+    for name, lib, extra in _side_by_side():
+        F = lib.FullyShardedDataParallel
+        torch.manual_seed(0)
+        m = Net()
+        m.blocks[0] = F(m.blocks[0], use_orig_params=True, **extra)
+        w = F(m, use_orig_params=True, **extra)
+        opt = torch.optim.Adam(w.parameters(), lr=1e-2)
+        w(_x()).pow(2).sum().backward()
+        opt.step()
+        original = copy.deepcopy(opt.state_dict())
+        no_groups = copy.deepcopy(original)
+        groups = no_groups.pop("param_groups")
+        named = F.optim_state_dict(w, opt, optim_state_dict=no_groups)
+        assert "param_groups" not in named, name
+        results[name] = sorted(named["state"])
+        w(_x()).pow(2).sum().backward()
+        opt.step()
+        loadable = F.optim_state_dict_to_load(w, opt, named)
+        assert "param_groups" not in loadable, name
+        keys = list(loadable["state"])
+        assert keys == sorted(keys), (name, keys)
+        loadable["param_groups"] = groups
+        opt.load_state_dict(loadable)
+        now = opt.state_dict()
+        assert now["param_groups"] == original["param_groups"], name
+        if name == "pt":  # on CPU FSDP1's optim_state_dict gives exp_avg_sq as exp_avg too (its bug)
+            continue
+        for i, entry in original["state"].items():
+            for k, v in entry.items():
+                assert torch.equal(now["state"][i][k], v), (name, i, k)
+    assert results["sw"] == results["pt"] != [], results

@@ -557,10 +557,15 @@ class ShardedParam:
                 self.sharded_param.grad = grad
             else:
                 # `.grad =` refuses another dtype; `.grad.data =` allows it
-                # (what FSDP1's keep_low_precision_grads does too).
+                # (what FSDP1's keep_low_precision_grads does too). On a
+                # DTensor `.data =` changes only the outer tensor's metadata:
+                # its local tensor and spec (dtype) are set to the gradient's.
                 with torch.no_grad():
-                    self.sharded_param.grad = torch.zeros_like(self.sharded_param)
-                    self.sharded_param.grad.data = grad
+                    holder = torch.zeros_like(self.sharded_param)
+                    self.sharded_param.grad = holder
+                    holder.data = grad
+                    holder._local_tensor = grad._local_tensor  # type: ignore[attr-defined]
+                    holder._spec = grad._spec  # type: ignore[attr-defined]
         self.run_post_accumulate_grad_hooks()
 
     def run_post_accumulate_grad_hooks(self) -> None:

@@ -167,12 +167,13 @@ def materialize_meta(
     has_meta = any(
         _is_meta(p) and id(p) not in ignored_ids for _, m in owned for p in m._parameters.values()
     ) or any(_is_meta(b) for _, m in owned for b in m._buffers.values())
-    if param_init_fn is not None and not callable(param_init_fn):
-        raise ConfigTypeError(
-            f"param_init_fn must be a callable taking a module, got {type(param_init_fn).__name__}."
-        )
     if not has_meta:
         return
+    if param_init_fn is not None and not callable(param_init_fn):  # checked where used, as by PyTorch
+        raise ConfigError(
+            f"Expected {param_init_fn} to be callable but got {type(param_init_fn)}: param_init_fn must "
+            "be a callable taking a module."
+        )
     if param_init_fn is not None:
         for _, m in owned:
             param_init_fn(m)

@@ -41,7 +41,7 @@ from shardwise.errors import ConfigError, ConfigTypeError
 from shardwise.layout import dtensor_like
 
 from .config import OptimStateKeyType, StateDictType
-from .state_dict import _load_value, clean_fqn, get_state_dict_type
+from .state_dict import _load_value, clean_fqn, settings_of
 
 __all__ = [
     "flatten_sharded_optim_state_dict",
@@ -132,9 +132,11 @@ def _name_to_index(model: nn.Module, params: list[torch.Tensor]) -> dict[str, in
 
 
 def _check_osd(osd: object, arg: str) -> dict[str, Any]:
-    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+    """An optimizer state dict: its 'state' at least ('param_groups' may be
+    left out, as PyTorch's FSDP allows; the result then has none either)."""
+    if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict):
         raise ConfigTypeError(
-            f"{arg} must be an optimizer state dict with 'state' and 'param_groups', got "
+            f"{arg} must be an optimizer state dict with 'state' (and 'param_groups'), got "
             f"{type(osd).__name__}{' with keys ' + str(sorted(osd)) if isinstance(osd, dict) else ''}."
         )
     return osd
@@ -198,14 +200,16 @@ def _to_named(
             state[names[index]] = {k: _export(v, kind, offload) for k, v in osd["state"][index].items()}
             units[names[index]] = unit_of.get(id(params[index]))
     state = {name: state[name] for name in _fsdp1_order(units)}  # param_groups keep their order
-    groups = []
-    for g in osd["param_groups"]:
-        entry = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-        entry["params"] = [names[i] for i in g["params"]]
-        groups.append(entry)
+    out: dict[str, Any] = {"state": state}
+    if "param_groups" in osd:
+        out["param_groups"] = []
+        for g in osd["param_groups"]:
+            entry = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            entry["params"] = [names[i] for i in g["params"]]
+            out["param_groups"].append(entry)
     if kind == StateDictType.FULL_STATE_DICT and rank0_only and dist.get_rank() != 0:
         return {}
-    return {"state": state, "param_groups": groups}
+    return out
 
 
 def optim_state_dict(
@@ -224,7 +228,7 @@ def optim_state_dict(
         optim_state_dict: the state dict to convert. (Default: ``None``: ``optim.state_dict()``)
         group: accepted for compatibility; the parameters' own meshes are used. (Default: ``None``)
     """
-    settings = get_state_dict_type(model)
+    settings = settings_of(model, "optim_state_dict")
     cfg = settings.optim_state_dict_config
     osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
     return _to_named(
@@ -299,18 +303,20 @@ def _to_loadable(
                 )
             target = params[i]
             state[i] = {k: _import(kind, f"{name}.{k}", v, target) for k, v in entry.items()}
-    groups = []
-    for g in osd["param_groups"]:
-        entry = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-        missing = [n for n in g["params"] if n not in index]
-        if missing:
-            raise ConfigError(
-                f"param_groups name parameters {missing[:4]} that the optimizer does not hold; load into an "
-                "optimizer built the same way on the same model."
-            )
-        entry["params"] = sorted(index[n] for n in g["params"])
-        groups.append(entry)
-    return {"state": state, "param_groups": groups}
+    out: dict[str, Any] = {"state": dict(sorted(state.items()))}  # in the optimizer's order, as its own
+    if "param_groups" in osd:
+        out["param_groups"] = []
+        for g in osd["param_groups"]:
+            entry = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            missing = [n for n in g["params"] if n not in index]
+            if missing:
+                raise ConfigError(
+                    f"param_groups name parameters {missing[:4]} that the optimizer does not hold; load into "
+                    "an optimizer built the same way on the same model."
+                )
+            entry["params"] = sorted(index[n] for n in g["params"])
+            out["param_groups"].append(entry)
+    return out
 
 
 def optim_state_dict_to_load(
@@ -338,7 +344,7 @@ def optim_state_dict_to_load(
             "is_named_optimizer=True (TorchRec KeyedOptimizer / NamedOptimizer) is not supported; "
             "pass a torch.optim.Optimizer."
         )
-    settings = get_state_dict_type(model)
+    settings = settings_of(model, "optim_state_dict_to_load")
     kind = settings.state_dict_type
     osd = optim_state_dict
     if kind == StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False):
@@ -452,6 +458,8 @@ def rekey_optim_state_dict(
         index = _name_to_index(model, params)
         new_state = {index[n]: v for n, v in osd["state"].items()}
         convert = lambda ps: sorted(index[n] for n in ps)
+    if "param_groups" not in osd:
+        return {"state": new_state}
     groups = copy.deepcopy(osd["param_groups"])
     for g in groups:
         g["params"] = convert(g["params"])

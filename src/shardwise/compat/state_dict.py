@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from shardwise._engine.param_group import ParamGroup
 from shardwise.checkpoint.state import register_sharded_state_dict
-from shardwise.errors import ConfigError, ConfigTypeError, MismatchError
+from shardwise.errors import ConfigError, ConfigTypeError, InconsistentSettingsError, MismatchError
 from shardwise.layout import chunk_span, dtensor_like
 
 from .config import (
@@ -143,28 +143,33 @@ def set_state_dict_type(
             f"got {type(optim_cfg).__name__}; pass {optim_cls.__name__}(...) or None."
         )
     wrappers = wrappers_under(module)
-    if not wrappers:
-        raise ConfigError(
-            f"set_state_dict_type: {type(module).__name__} contains no FullyShardedDataParallel "
-            "module; wrap the model first."
-        )
+    if not wrappers:  # as PyTorch's: nothing to set, no previous settings
+        return StateDictSettings(None, None, None)  # type: ignore[arg-type]
     previous = wrappers[0]._state_dict_settings
     for w in wrappers:
         w._state_dict_settings = StateDictSettings(state_dict_type, cfg, optim_cfg)
     return previous
 
 
-def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-    """The settings shared by every wrapper under ``module``."""
+def get_state_dict_type(module: nn.Module) -> StateDictSettings | None:
+    """The settings shared by every wrapper under ``module``; as PyTorch's,
+    None where there is no wrapper."""
+    return settings_of(module) if wrappers_under(module) else None
+
+
+def settings_of(module: nn.Module, caller: str = "get_state_dict_type") -> StateDictSettings:
+    """The settings shared by every wrapper under ``module`` (there must be one)."""
     wrappers = wrappers_under(module)
     if not wrappers:
         raise ConfigError(
-            f"get_state_dict_type: {type(module).__name__} contains no FullyShardedDataParallel module."
+            f"{caller}: {type(module).__name__} contains no FullyShardedDataParallel module; wrap the "
+            "model first."
         )
     settings = wrappers[0]._state_dict_settings
     for w in wrappers[1:]:
         if w._state_dict_settings != settings:
-            raise ConfigError(
+            raise InconsistentSettingsError(
+                "All FSDP modules must have the same state dict settings: "
                 f"wrappers under {type(module).__name__} have different state-dict settings "
                 f"({settings} vs {w._state_dict_settings}); set them together with "
                 "FullyShardedDataParallel.set_state_dict_type(root_module, ...)."
@@ -182,7 +187,7 @@ def sharded_for_checkpoints(module: nn.Module) -> Iterator[None]:
     if not wrappers_under(module):
         yield
         return
-    prev = get_state_dict_type(module)
+    prev = settings_of(module)
     set_state_dict_type(module, StateDictType.SHARDED_STATE_DICT)
     try:
         yield

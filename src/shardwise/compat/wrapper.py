@@ -31,13 +31,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from shardwise._engine.module_state import state_of, states_under
-from shardwise._engine.param_group import ParamGroup, TrainingState, check_trainable_dtypes
+from shardwise._engine.module_state import state_of
+from shardwise._engine.param_group import ParamGroup, check_trainable_dtypes
 from shardwise._engine.setup import shard_modules
-from shardwise._engine.sharded_param import set_param
 from shardwise._engine.trees import cast_floats
-from shardwise.errors import CommHookError, ConfigError, ConfigTypeError, SummonError, UnsupportedError, UsageError
-from shardwise.fully_shard import summon_full_params as engine_summon
+from shardwise.errors import CommHookError, ConfigError, ConfigTypeError, UsageError
 from shardwise.policies import CPUOffloadPolicy, OffloadPolicy
 from shardwise.wrap import check_not_sharded, check_policy, plan_wrapping, post_order
 
@@ -71,11 +69,10 @@ from .state_dict import (
     clean_fqn,
     clean_name,
     get_state_dict_type,
-    local_chunk,
     register_state_dict_hooks,
     set_state_dict_type,
-    warn_cpu_copies_on_every_rank,
 )
+from .summon import summon
 from .strategies import (
     HYBRID_STRATEGIES,
     StrategyPlan,
@@ -85,6 +82,7 @@ from .strategies import (
 )
 
 __all__ = ["FullyShardedDataParallel"]
+
 
 
 def _check_optional(value: object, cls: type, arg: str) -> None:
@@ -222,13 +220,19 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ConfigTypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}.")
-        if is_wrapper(module) or state_of(module) is not None:
+        if is_wrapper(module) and auto_wrap_policy is not None:
+            raise ConfigError(
+                "FSDP auto wrapping requires modules to not already have FSDP applied but found "
+                f"{type(module).__name__} already wrapped; wrap it once (with the policy) instead."
+            )
+        if state_of(module) is not None:  # a wrapper may wrap a wrapper (as FSDP1's may), not a fully_shard module
             raise ConfigError(
                 f"this {type(module).__name__} is already sharded; wrap each module once (nested "
                 "wrapping goes inside out, or let auto_wrap_policy do it)."
             )
         if (isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
-                and auto_wrap_policy is None):  # (with a policy its children may be wrapped and called, as in FSDP1)
+                and auto_wrap_policy is None  # (with a policy its children may be wrapped and called, as in FSDP1)
+                and _params_outside_wrappers(module)):  # (a policy's nested container of wrappers manages none)
             raise ConfigError(
                 f"FullyShardedDataParallel cannot wrap a {type(module).__name__}: it has no forward, so "
                 "its parameters would never be gathered. Wrap the modules inside it, or its parent."
@@ -561,10 +565,18 @@ class FullyShardedDataParallel(nn.Module):
         own buffers to its ``buffer_dtype``."""
         if self._buffers_cast:
             return
+        wrappers = _wrappers_under(self)
+        for attr, name in (("_use_orig_params", "_use_orig_params"), ("_limit_all_gathers", "limit_all_gathers")):
+            values = {getattr(w, attr) for w in wrappers}
+            if len(values) > 1:  # as FSDP1 at its root's first forward
+                raise ConfigError(
+                    f"Expects one homogeneous value for {name} but got {values}: pass the same "
+                    f"{name.lstrip('_')} to every FullyShardedDataParallel of one model."
+                )
         state = state_of(self._fsdp_unit)
         if state is not None:
             state.lazy_init()
-        for w in _wrappers_under(self):
+        for w in wrappers:
             if not w._buffers_cast:
                 w._cast_buffers()
                 w._buffers_cast = True
@@ -838,37 +850,7 @@ class FullyShardedDataParallel(nn.Module):
             (with_grads, "with_grads"),
         ):
             _check_flag(value, arg)
-        if rank0_only and writeback:
-            raise UnsupportedError(
-                "summon_full_params(rank0_only=True, writeback=True) is not supported: the other ranks "
-                "hold only shards, so writing back would make ranks disagree. Pass writeback=False."
-            )
-        if offload_to_cpu and not rank0_only:
-            # FSDP1 checks each wrapper's arguments twice (summon, then unshard), warning each time.
-            if recurse:
-                units = len(FullyShardedDataParallel.fsdp_modules(module))
-            else:
-                units = 1 if is_wrapper(module) else 0
-            for _ in range(2 * units):
-                warn_cpu_copies_on_every_rank()
-        roots = FullyShardedDataParallel.fsdp_modules(module, root_only=True)
-        targets: list[nn.Module] = list(roots) if recurse else [r._fsdp_unit for r in roots]
-        groups = [
-            s.group
-            for t in targets
-            for s in (states_under(t) if recurse else [state_of(t)])
-            if s is not None and s.group is not None
-        ]
-        _check_idle(groups)
-        with contextlib.ExitStack() as stack:
-            for t in targets:
-                if any(s.group is not None for s in (states_under(t) if recurse else [state_of(t)]) if s is not None):
-                    stack.enter_context(engine_summon(t, recurse=recurse, writeback=writeback))
-            if rank0_only and dist.get_rank() != 0:
-                for g in groups:
-                    g.reshard()
-            elif with_grads or (offload_to_cpu and any(g.device.type != "cpu" for g in groups)):
-                stack.enter_context(_expose(groups, with_grads, offload_to_cpu, writeback))
+        with summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
 
     # ---- state dicts -------------------------------------------------------------------
@@ -900,8 +882,8 @@ class FullyShardedDataParallel(nn.Module):
         return set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
     @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The state-dict settings of the wrappers under ``module`` (they must agree)."""
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings | None:
+        """The state-dict settings of the wrappers under ``module`` (they must agree); None where there are none."""
         return get_state_dict_type(module)
 
     @staticmethod
@@ -920,9 +902,10 @@ class FullyShardedDataParallel(nn.Module):
         try:
             yield
         finally:
-            FullyShardedDataParallel.set_state_dict_type(
-                module, prev.state_dict_type, prev.state_dict_config, prev.optim_state_dict_config
-            )
+            if prev.state_dict_type is not None:  # None: no wrapper under module, nothing was set
+                FullyShardedDataParallel.set_state_dict_type(
+                    module, prev.state_dict_type, prev.state_dict_config, prev.optim_state_dict_config
+                )
 
     # ---- optimizer state dicts (see optim_state.py) -------------------------------------
     optim_state_dict = staticmethod(optim_state.optim_state_dict)
@@ -935,58 +918,7 @@ class FullyShardedDataParallel(nn.Module):
     rekey_optim_state_dict = staticmethod(optim_state.rekey_optim_state_dict)
 
 
-def _check_idle(groups: list[ParamGroup]) -> None:
-    """summon_full_params only outside forward and backward."""
-    for g in groups:
-        root = g.ctx.root
-        busy = [x for x in (g, root.group if root is not None else None) if x is not None and x.training_state != TrainingState.IDLE]
-        if busy:
-            raise SummonError(
-                "Cannot manually unshard parameters during forward/backward: "
-                f"summon_full_params cannot run inside forward or backward ({busy[0].name} is in "
-                f"{busy[0].training_state.name}); call it before the forward or after the backward."
-            )
-
-
-@contextlib.contextmanager
-def _expose(groups: list[ParamGroup], with_grads: bool, offload_to_cpu: bool, writeback: bool) -> Iterator[None]:
-    """Inside an engine summon: register CPU copies of the full parameters
-    (``offload_to_cpu``) and/or gather gradients onto them (``with_grads``)."""
-    swapped: list[tuple[Any, nn.Parameter]] = []
-    graded: list[tuple[Any, nn.Parameter, torch.Tensor]] = []
-    try:
-        for g in groups:
-            for sp in g.params:
-                full = sp.unsharded_param
-                if full is None:
-                    continue
-                exposed = full
-                if offload_to_cpu and full.device.type != "cpu":
-                    exposed = nn.Parameter(full.detach().cpu(), requires_grad=full.requires_grad)
-                    for owner, attr in sp.owners:
-                        set_param(owner, attr, exposed)
-                    swapped.append((sp, exposed))
-                grad = sp.sharded_param.grad
-                if with_grads and grad is not None:
-                    whole = grad.full_tensor() if isinstance(grad, DTensor) else grad
-                    exposed.grad = whole.to(exposed.device, exposed.dtype)
-                    graded.append((sp, exposed, exposed.grad))
-        yield
-    finally:
-        for sp, p, given in graded:
-            # Changed in place: this rank's part goes back, as FSDP1's views of
-            # its flat gradient do (a gradient assigned anew is dropped there too).
-            if writeback and p.grad is given and sp.sharded_param.grad is not None:
-                grad = sp.sharded_param.grad
-                with torch.no_grad():
-                    if isinstance(grad, DTensor):
-                        changed = p.grad.to(grad.device, grad.dtype)
-                        grad._local_tensor.copy_(local_chunk(changed, grad.device_mesh, grad.placements))
-                    else:
-                        grad.copy_(p.grad)
-            p.grad = None
-        for sp, exposed in swapped:
-            if writeback:
-                with torch.no_grad():
-                    sp.unsharded_param.copy_(exposed)
-            sp.register_unsharded()
+def _params_outside_wrappers(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters that no wrapper inside it manages."""
+    inner = {id(p) for m in module.modules() if m is not module and is_wrapper(m) for p in m.parameters()}
+    return any(id(p) not in inner for p in module.parameters())
