@@ -294,7 +294,7 @@ def post_order(root: nn.Module) -> Iterator[tuple[nn.Module | None, str, nn.Modu
 
 
 def _runs_policy(policy: object) -> bool:
-    """A policy object of PyTorch's own (``torch.distributed.fsdp.wrap``'s
+    """A policy object of PyTorch's own (its wrap module's
     ``CustomPolicy``, ``ModuleWrapPolicy``): the same ``_run_policy`` as ours."""
     return not isinstance(policy, Policy) and callable(getattr(policy, "_run_policy", None))
 
