@@ -77,6 +77,7 @@ __all__ = [
     "get_state_dict_type",
     "local_chunk",
     "register_state_dict_hooks",
+    "root_wrappers",
     "set_state_dict_type",
     "wrappers_under",
 ]
@@ -110,6 +111,13 @@ def _own_by_key(wrapper: WrapperState) -> dict[str, OwnTensor]:
 def wrappers_under(module: nn.Module) -> list[WrapperState]:
     """Every wrapper in ``module``'s subtree (``module`` included), in module order."""
     return [cast(WrapperState, m) for m in module.modules() if is_wrapper(m)]
+
+
+def root_wrappers(module: nn.Module) -> list[WrapperState]:
+    """The outermost wrappers in ``module``'s subtree (none nested in another)."""
+    wrappers = wrappers_under(module)
+    nested = {id(m) for w in wrappers for m in cast(nn.Module, w).modules() if id(m) != id(w) and is_wrapper(m)}
+    return [w for w in wrappers if id(w) not in nested]
 
 
 # ---- settings ---------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -20,19 +20,12 @@ from shardwise.errors import SummonError, UnsupportedError
 from shardwise.fully_shard import summon_full_params as engine_summon
 
 from .managed import is_wrapper
-from .state_dict import local_chunk, warn_cpu_copies_on_every_rank, wrappers_under
+from .state_dict import local_chunk, root_wrappers, warn_cpu_copies_on_every_rank, wrappers_under
 from .config import ShardingStrategy
 
 __all__ = ["summon", "check_idle"]
 
 _SUMMONING: set[int] = set()  # ids of the groups inside a summon_full_params now
-
-
-def _roots(module: nn.Module) -> list[Any]:
-    """The outermost wrappers in ``module``'s subtree."""
-    wrappers: list[Any] = list(wrappers_under(module))
-    nested = {id(m) for w in wrappers for m in w.modules() if m is not w and is_wrapper(m)}
-    return [w for w in wrappers if id(w) not in nested]
 
 
 @contextlib.contextmanager
@@ -68,7 +61,7 @@ def summon(
                 "offload_to_cpu=True and NO_SHARD is not supported yet (as in PyTorch's FSDP: a NO_SHARD "
                 "unit's parameters are whole already; summon without offload_to_cpu)"
             )
-    roots = _roots(module)
+    roots = cast(list[Any], root_wrappers(module))
     targets: list[nn.Module] = list(roots) if recurse else [r._fsdp_unit for r in roots]
     groups = [
         s.group

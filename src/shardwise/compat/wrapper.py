@@ -23,7 +23,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -70,9 +70,9 @@ from .state_dict import (
     clean_name,
     get_state_dict_type,
     register_state_dict_hooks,
+    root_wrappers,
     set_state_dict_type,
 )
-from .summon import summon
 from .strategies import (
     HYBRID_STRATEGIES,
     StrategyPlan,
@@ -80,9 +80,9 @@ from .strategies import (
     default_device_type,
     resolve_strategy,
 )
+from .summon import summon
 
 __all__ = ["FullyShardedDataParallel"]
-
 
 
 def _check_optional(value: object, cls: type, arg: str) -> None:
@@ -639,11 +639,7 @@ class FullyShardedDataParallel(nn.Module):
             module: any module.
             root_only: only the outermost wrappers. (Default: ``False``)
         """
-        wrappers = _wrappers_under(module)
-        if not root_only:
-            return wrappers
-        nested = {id(m) for w in wrappers for m in w.modules() if m is not w and is_wrapper(m)}
-        return [w for w in wrappers if id(w) not in nested]
+        return cast(list[FullyShardedDataParallel], root_wrappers(module) if root_only else _wrappers_under(module))
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``nn.Module.apply`` with this wrapper's full parameters gathered (and
