@@ -529,11 +529,11 @@ def gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
         ours = shared
 
         def copy_theirs() -> None:
-            ours.check(every)
+            descs = ours.check(every)
             for r in range(size):
                 if r != me:
-                    rows[r].copy_(ours.read(every[r], rows, r)[r])
-            ours.done(every)
+                    rows[r].copy_(ours.read(descs[r], rows, r)[r])
+            ours.done(descs)
 
         return _Works([parcel], copy_theirs)
     if size > 2 and _together and _small(input):
@@ -591,13 +591,13 @@ def gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
         ours = shared
 
         def sum_theirs() -> None:
-            ours.check(every)
-            parts = [rows[me] if r == me else ours.read(every[r], rows, r)[me] for r in range(size)]
+            descs = ours.check(every)
+            parts = [rows[me] if r == me else ours.read(descs[r], rows, r)[me] for r in range(size)]
             if size == 2:
                 torch.add(parts[me], parts[1 - me], out=out)
             else:
                 ring_sum(parts, me, out)
-            ours.done(every)
+            ours.done(descs)
 
         return _Works([parcel], sum_theirs)
     if size == 2:

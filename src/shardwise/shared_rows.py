@@ -173,8 +173,9 @@ class SharedRows:
 
     def give(self, buf: torch.Tensor) -> bool:
         """Take ``buf`` back if it is one of this group's buffers."""
-        self.refused.pop(buf.untyped_storage().data_ptr(), None)
-        i = self.index.get(buf.untyped_storage().data_ptr())
+        address = buf.untyped_storage().data_ptr()
+        self.refused.pop(address, None)
+        i = self.index.get(address)
         if i is None:
             return False
         self.free.setdefault(self.mine[i].numel(), []).append(i)
@@ -199,22 +200,23 @@ class SharedRows:
         self.exchanges += 1
         return torch.tensor([i, self.fds[i + 1], t.storage_offset() * t.element_size(), self.mine[i].numel(), self.seq])
 
-    def check(self, every: torch.Tensor) -> None:
-        """Raise, on every rank alike, if any rank's descriptor in ``every``
-        says it could not make its buffer shared."""
-        refused = [(rank, desc[1]) for rank, desc in enumerate(every.tolist()) if desc[0] < 0]
+    def check(self, every: torch.Tensor) -> list[list[int]]:
+        """Every rank's descriptor in ``every``, as ints (what ``read`` and
+        ``done`` take); raises, on every rank alike, if any says it could not
+        make its buffer shared."""
+        descs: list[list[int]] = every.tolist()
+        refused = [(rank, desc[1]) for rank, desc in enumerate(descs) if desc[0] < 0]
         if refused:
-            why = "; ".join(
-                f"rank {rank}: " + _why(code) for rank, code in refused
-            )
+            why = "; ".join(f"rank {rank}: " + _why(code) for rank, code in refused)
             raise RuntimeError(
                 f"{ENV}=1: shared memory for an exchange could not be made on ranks of this group ({why}); "
                 f"set {ENV}=0 to exchange over gloo alone"
             )
+        return descs
 
-    def read(self, desc: torch.Tensor, like: torch.Tensor, rank: int) -> torch.Tensor:
+    def read(self, desc: list[int], like: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s tensor that its ``desc`` describes, shaped as ``like``."""
-        i, fd, offset, nbytes, _ = (int(v) for v in desc.tolist())
+        i, fd, offset, nbytes, _ = desc
         buf = self.theirs.get((rank, i))
         if buf is None:
             buf = _open(self.pids[rank], fd, nbytes)
@@ -224,10 +226,10 @@ class SharedRows:
         n = like.numel() * like.element_size()
         return buf[offset : offset + n].view(like.dtype).view(like.shape)
 
-    def done(self, every: torch.Tensor) -> None:
-        """Every other rank's buffer in ``every`` (their descriptors, rank-major)
-        was read: each may write its buffer again."""
-        for rank, desc in enumerate(every.tolist()):
+    def done(self, descs: list[list[int]]) -> None:
+        """Every other rank's buffer in ``descs`` (their descriptors, rank-major,
+        from ``check``) was read: each may write its buffer again."""
+        for rank, desc in enumerate(descs):
             if rank != self.me:
                 self.ctrl_mine[rank * _MAX_BUFFERS + desc[0]] = desc[4]
 

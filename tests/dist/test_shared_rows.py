@@ -111,9 +111,10 @@ def test_a_shared_buffer_waits_for_every_other_rank_to_read_it():
     dist.all_reduce(every)
 
     def read_rank_0():
-        got = rows.read(every[0], torch.empty(n // 4, dtype=torch.int32), 0)
+        descs = rows.check(every)
+        got = rows.read(descs[0], torch.empty(n // 4, dtype=torch.int32), 0)
         assert torch.equal(got, torch.full((n // 4,), 100, dtype=torch.int32))
-        rows.done(every)  # marks every other rank's buffer read; only rank 0's is checked here
+        rows.done(descs)  # marks every other rank's buffer read; only rank 0's is checked here
 
     if 0 < me < size - 1:
         read_rank_0()  # all but the last rank read rank 0's buffer now
