@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from shardwise._engine.collectives import is_default
-from shardwise._engine.module_state import ModuleState, state_of, states_under
+from shardwise._engine.module_state import ModuleState, dynamo_disable, state_of, states_under
 from shardwise._engine.param_group import ParamGroup
 from shardwise._engine.setup import shard_modules
 from shardwise.comm import AllGather, ReduceScatter, accepts_as
@@ -51,6 +51,7 @@ class _UnshardHandleImpl(UnshardHandle):
     def __init__(self, groups: list[ParamGroup]) -> None:
         self._groups = groups
 
+    @dynamo_disable
     def wait(self) -> None:
         for group in self._groups:
             group.wait_for_unshard()
@@ -361,6 +362,18 @@ class FSDPModule:
         return out
 
 
+# Every public method runs outside any graph torch.compile traces ([Note: hooks
+# outside the traced region]): user code calls unshard(), reshard() or the
+# setters inside compiled functions, and PyTorch's, in a file dynamo skips,
+# are never traced either.
+for _name, _method in list(vars(FSDPModule).items()):
+    if not _name.startswith("_") and isinstance(_method, types.FunctionType):
+        _disabled = dynamo_disable(_method)
+        _disabled.__set_name__(FSDPModule, _name)
+        setattr(FSDPModule, _name, _disabled)
+del _name, _method, _disabled
+
+
 def _set_prefetch(module: FSDPModule, modules: list[FSDPModule], attr: str) -> None:
     if not isinstance(modules, (list, tuple)):
         raise ConfigTypeError(f"expected a list of FSDPModules, got {type(modules).__name__}.")
@@ -400,8 +413,13 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         args, kwargs = state.method_pre_forward(args, kwargs)
         return state.method_post_forward(orig(*args, **kwargs))
 
-    # bound, as PyTorch binds it (inspect.ismethod, __self__)
-    setattr(module, method_name, types.MethodType(wrapped, module))
+    # Dynamo skips this frame but traces the method itself (PyTorch's wrapper is
+    # in a file dynamo skips): compiled, the method breaks only at the hooks.
+    # Bound, as PyTorch binds it (inspect.ismethod, __self__).
+    import torch._dynamo
+
+    skipped = torch._dynamo.disable(wrapped, recursive=False)  # type: ignore[no-untyped-call]
+    setattr(module, method_name, types.MethodType(skipped, module))
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ root's final callback, queued at the first pre-backward of each backward.
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import warnings
 import weakref
@@ -26,7 +27,7 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.autograd.graph import register_multi_grad_hook
 
-from shardwise.errors import ConfigTypeError
+from shardwise.errors import ConfigTypeError, UnsupportedError
 from shardwise.policies import MixedPrecisionPolicy
 
 from .param_group import IterationContext, ParamGroup, TrainingState
@@ -48,31 +49,82 @@ class dynamo_disable:  # noqa: N801 - used as a decorator
     one graph. See docs/decisions.md ("torch.compile").
 
     [Note: hooks outside the traced region]
-    The method is wrapped by ``torch._dynamo.disable`` once, at the first
-    attribute access (``fully_shard`` time: importing ``torch._dynamo`` at
-    ``import shardwise`` would cost about a second), and every access returns
-    the disabled function bound to the instance. So dynamo never meets a Python
-    frame of ours: a plain wrapper function would itself be a frame dynamo
-    tries to compile when a compiled module's ``_call_impl`` runs the hook,
-    and each such attempt is a graph break (PyTorch's wrapper escapes this
-    only because its file is on dynamo's skip list).
+    At the first attribute access (``fully_shard`` time: importing
+    ``torch._dynamo`` at ``import shardwise`` would cost about a second) the
+    method is wrapped by ``torch._dynamo.disable`` and the wrapped function
+    replaces this descriptor on its class. So dynamo never meets a Python
+    frame of ours, not even this ``__get__``: a plain wrapper function would
+    itself be a frame dynamo tries to compile when a compiled module's
+    ``_call_impl`` runs the hook, and each such attempt is a graph break
+    (PyTorch's wrapper escapes this only because its file is on dynamo's
+    skip list). The same goes for the methods user code may call inside a
+    compiled function (``unshard``, ``reshard``, a handle's ``wait``) and an
+    autograd Function's ``backward`` (``static=True``; the autograd engine
+    looks it up on the class), which a ``loss.backward()`` in a compiled
+    function would otherwise have dynamo trace, reduce-scatters and all.
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], *, static: bool = False) -> None:
         self.fn = fn
-        self.disabled: Callable[..., Any] | None = None
+        self.static = static
+        self.owner: type | None = None
+        self.name = fn.__name__
         functools.update_wrapper(cast(Any, self), fn)
 
-    def __get__(self, obj: object | None, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        if self.disabled is None:
-            import torch._dynamo
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.owner, self.name = owner, name
+        _UNRESOLVED.append(self)
 
-            self.disabled = torch._dynamo.disable(  # type: ignore[no-untyped-call]
-                self.fn, recursive=True, reason="shardwise hooks"
-            )
-        return types.MethodType(self.disabled, obj)
+    def __get__(self, obj: object | None, objtype: type | None = None) -> Any:
+        if obj is None and not self.static:
+            return self  # introspection of the class (docs, signatures)
+        disabled = self.resolve()
+        return disabled if self.static else types.MethodType(disabled, obj)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)  # called on the class: FSDPModule.unshard(m)
+
+    def resolve(self) -> Callable[..., Any]:
+        import torch._dynamo
+
+        disabled: Callable[..., Any] = torch._dynamo.disable(  # type: ignore[no-untyped-call]
+            self.fn, recursive=True, reason="shardwise hooks"
+        )
+        if self.owner is not None:
+            setattr(self.owner, self.name, staticmethod(disabled) if self.static else disabled)
+        return disabled
+
+
+# Descriptors still on their classes: all replaced when the first module state
+# is made, so that not even a descriptor's __get__ is met inside a compiled
+# function (a first unshard() there would break its graph twice).
+_UNRESOLVED: list[dynamo_disable] = []
+
+
+def _resolve_all() -> None:
+    while _UNRESOLVED:
+        _UNRESOLVED.pop().resolve()
+
+
+def dynamo_disable_static(fn: Callable[..., Any]) -> Any:
+    """:class:`dynamo_disable` for a static method (an autograd Function's ``backward``)."""
+    return dynamo_disable(fn, static=True)
+
+
+def refuse_compiled_autograd() -> None:
+    """Compiled autograd (``torch._dynamo.config.compiled_autograd``, or its
+    ``_enable`` context) runs a backward's hooks in its own order, and the
+    reduce-scatters then take gradients not yet complete: wrong gradients,
+    under PyTorch's ``fully_shard`` too (torch 2.13). Refused at the first hook
+    of such a backward, on every rank alike, before any collective."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled_autograd is not None and compiled_autograd.in_compiled_autograd_region:
+        raise UnsupportedError(
+            "compiled autograd is not supported with sharded modules: the backward of a fully_shard "
+            "module ran under torch._dynamo.config.compiled_autograd (or compiled_autograd._enable), "
+            "which reorders FSDP's reduce-scatters and gives wrong gradients; turn compiled autograd "
+            "off for this backward (torch.compile of the forward, and of each block, is supported)"
+        )
 
 
 def state_of(module: nn.Module) -> ModuleState | None:
@@ -95,7 +147,7 @@ class _PostBackward(torch.autograd.Function):
         ctx.state = state
         return inputs
 
-    @staticmethod
+    @dynamo_disable_static
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.state.post_backward()
         return (None, *grads)
@@ -121,7 +173,7 @@ class _PostBackwardTransformable(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.state = inputs[0]
 
-    backward = staticmethod(_PostBackward.backward)
+    backward = dynamo_disable_static(_PostBackward.__dict__["backward"].fn)
     jvp = staticmethod(_PostBackward.jvp)
 
 
@@ -148,6 +200,7 @@ class ModuleState:
         auto_reshard_after_forward: bool,
         device: torch.device,
     ) -> None:
+        _resolve_all()
         self.modules = modules
         # One group per mesh its parameters use (several only with per-parameter
         # meshes from shard_placement_fn); ``group`` is the first, or None.
@@ -434,6 +487,7 @@ class ModuleState:
     # ---- backward -------------------------------------------------------------
     @dynamo_disable
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        refuse_compiled_autograd()
         ctx = self.ctx
         if not ctx.final_callback_queued and ctx.root is not None:
             ctx.final_callback_queued = True
@@ -444,6 +498,7 @@ class ModuleState:
                     group.pre_backward()
 
     def post_backward(self) -> None:
+        refuse_compiled_autograd()
         for group in self.groups:
             group.post_backward()
 
