@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from shardwise._engine.module_state import state_of
+from shardwise._engine.module_state import dynamo_disable, state_of
 from shardwise._engine.param_group import ParamGroup, check_trainable_dtypes
 from shardwise._engine.setup import shard_modules
 from shardwise._engine.trees import cast_floats
@@ -559,6 +559,7 @@ class FullyShardedDataParallel(nn.Module):
         state = state_of(self._fsdp_unit)
         return state.is_root if state is not None else None
 
+    @dynamo_disable  # outside a compiled forward's graph, as FSDP1's (a file dynamo skips)
     def _lazy_init(self) -> None:
         """At the first forward: the engine makes the outermost wrapper's state
         the root (one root for both fronts), and every wrapper under it casts its
@@ -601,7 +602,8 @@ class FullyShardedDataParallel(nn.Module):
         casts, then every wrapper's pre-forward that has a flat parameter,
         the root's included; its documentation says only that the root's
         setting takes precedence)."""
-        self._lazy_init()
+        if not self._buffers_cast:  # (a traced forward then never calls the disabled _lazy_init again)
+            self._lazy_init()
         mp = self._mixed_precision
         cast = mp is not None and (
             bool(self._is_root and mp.cast_root_forward_inputs) or (mp.cast_forward_inputs and self._group is not None)
