@@ -18,6 +18,7 @@ __all__ = [
     "ShardDimError",
     "CommHookError",
     "CustomCommError",
+    "ExtensionError",
     "InconsistentSettingsError",
     "SummonError",
 ]
@@ -87,6 +88,12 @@ class CommHookError(UsageError, AssertionError):
 class CustomCommError(ConfigError, AssertionError):
     """A process group's allocator asked for where a custom AllGather /
     ReduceScatter allocates (PyTorch asserts)."""
+
+
+class ExtensionError(ConfigError, AssertionError):
+    """An all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``)
+    PyTorch cannot call: one hook without the other, or a pre-hook whose
+    signature is neither the one- nor the five-argument form (PyTorch asserts)."""
 
 
 class InconsistentSettingsError(ConfigError, AssertionError):

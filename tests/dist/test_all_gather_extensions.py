@@ -493,3 +493,93 @@ def test_torchao_float8_all_gather_matches_pytorch(world_size):
         torch.testing.assert_close(y, ry, rtol=0, atol=0)
         for n in g:
             torch.testing.assert_close(g[n], rg[n], rtol=0, atol=0)
+
+
+class _TPBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w1 = nn.Linear(d, 2 * d)
+        self.w2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(x)))
+
+
+@multi_rank(world_sizes=(4,))
+def test_torchao_float8_with_tensor_parallel_matches_pytorch():
+    """Float8 all-gathers of tensor-parallel weights (torchao's Float8Colwise /
+    Float8RowwiseParallel on a (dp, tp) mesh, fully_shard over dp) with
+    ``precompute_float8_dynamic_scale_for_fsdp`` after each step: bit for bit
+    PyTorch's. The module sees its gathered weight as a DTensor on the TP mesh
+    (it was a plain tensor, and the matmul refused to mix the two), and the
+    pre-all-gather hook runs on the DTensor's own local tensor, where torchao
+    keeps the precomputed scale (it ran on another object over the same
+    memory, so the scale was computed again over dp only: different numbers)."""
+    pytest.importorskip("torchao")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as pt_fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from shardwise import fully_shard as sw_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    runs = {}
+    for name, fs in (("shardwise", sw_fully_shard), ("torch", pt_fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(_TPBlock(32), _TPBlock(32), nn.Linear(32, 16))
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn[:1] in "01")
+        for block in model[:2]:
+            parallelize_module(block, mesh["tp"], {"w1": Float8ColwiseParallel(), "w2": Float8RowwiseParallel()})
+            fs(block, mesh=mesh["dp"])
+        fs(model, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        outs = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(1000 * step + dist.get_rank() // 2)  # the same batch within a TP pair
+            loss = model(torch.randn(8, 32, generator=g)).square().mean()
+            loss.backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+            precompute_float8_dynamic_scale_for_fsdp(model)
+            outs.append((loss.detach(), grads))
+        runs[name] = (outs, {n: p.full_tensor() for n, p in model.named_parameters()})
+    (outs, params), (pt_outs, pt_params) = runs["shardwise"], runs["torch"]
+    for (loss, g), (pt_loss, pt_g) in zip(outs, pt_outs):
+        assert torch.equal(loss, pt_loss), (loss, pt_loss)
+        assert g.keys() == pt_g.keys()
+        for n in g:
+            assert torch.equal(g[n], pt_g[n]), n
+    for n in params:
+        assert torch.equal(params[n], pt_params[n]), n
+
+
+class _StarArgsHook(BF16GatherTensor):
+    def fsdp_pre_all_gather(self, *args, **kwargs):  # neither the 1- nor the 5-argument form
+        return super().fsdp_pre_all_gather(*args, **kwargs)
+
+
+_REF_TRANSFORM[_StarArgsHook] = _REF_TRANSFORM[BF16GatherTensor]
+
+
+@multi_rank(world_sizes=(2,))
+def test_extension_signature_error_as_pytorch():
+    """A pre-hook taking ``(*args, **kwargs)`` (neither PyTorch's one- nor
+    its five-argument form) is refused at the first all-gather with PyTorch's
+    AssertionError and words, "Invalid fsdp_pre_all_gather"; shardwise called
+    it with five arguments and the hook's own TypeError surfaced."""
+    from torch.distributed.fsdp import fully_shard as pt_fully_shard
+
+    from shardwise import fully_shard as sw_fully_shard
+    from shardwise.errors import ExtensionError
+
+    for fs in (pt_fully_shard, sw_fully_shard):
+        model, _ = _build(_StarArgsHook, (8, 8, 8))
+        _shard(model, fs)
+        with pytest.raises(AssertionError, match="Invalid fsdp_pre_all_gather") as info:
+            model(_x(0, 8))
+        if fs is sw_fully_shard:
+            assert isinstance(info.value, ExtensionError)

@@ -21,7 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardwise.observe as observe
-from shardwise.errors import ConfigError, ConfigTypeError, UnsupportedError, UsageError
+from shardwise.errors import ConfigError, ConfigTypeError, ExtensionError, UnsupportedError, UsageError
 from shardwise.layout import ShardLayout
 from shardwise.mesh import MeshInfo, join_meshes
 
@@ -453,9 +453,9 @@ class ShardedParam:
             local = local_of(self.sharded_param)
         has = hasattr(local, "fsdp_pre_all_gather")
         if has != hasattr(local, "fsdp_post_all_gather"):
-            raise ConfigError(
-                f"parameter {self.fqn!r} ({type(local).__name__}) defines only one of "
-                "fsdp_pre_all_gather / fsdp_post_all_gather; all-gather extensions need both."
+            raise ExtensionError(
+                "Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined if using all-gather "
+                f"extensions: parameter {self.fqn!r} ({type(local).__name__}) defines only one."
             )
         changed, self.has_extensions = has != self.has_extensions, has
         return changed
@@ -463,16 +463,27 @@ class ShardedParam:
     def extension_inputs(self, module: nn.Module, mp: Any, device: torch.device) -> list[torch.Tensor]:
         """Call ``fsdp_pre_all_gather`` on this rank's padded shard: the 1-D
         tensors to all-gather (their sizes and the metadata are kept)."""
-        shard: Any = self.sharded_data
+        # Called, as PyTorch calls it, on the DTensor's own local tensor: what
+        # users set on that object is seen (torchao's precomputed float8 scale,
+        # hooks attached to it). A shard with padding rows (uneven, which
+        # PyTorch refuses) is called on its padded buffer instead.
+        local: Any = local_of(self.sharded_param)
+        shard: Any = local if local.shape == self.layout.padded_shape else self.sharded_data
         if shard.device != device:
             shard = shard.to(device, non_blocking=True)
-        # hooks attached to the DTensor's local tensor itself (not its type)
-        pre = getattr(shard, "fsdp_pre_all_gather", None) or getattr(local_of(self.sharded_param), "fsdp_pre_all_gather")
-        if len(inspect.signature(pre).parameters) == 1:  # the older one-argument form
+        pre = getattr(shard, "fsdp_pre_all_gather", None) or getattr(local, "fsdp_pre_all_gather")
+        signature = inspect.signature(pre)
+        if len(signature.parameters) == 1:  # the older one-argument form
             inputs, self.extension_metadata = pre(self.info.shard_mesh)
-        else:
+        elif len(signature.parameters) == 5:
             inputs, self.extension_metadata = pre(
                 self.info.shard_mesh, self.full_shape, _contiguous_stride(self.full_shape), module, mp
+            )
+        else:
+            raise ExtensionError(
+                f"Invalid fsdp_pre_all_gather: {signature}\nExpects fsdp_pre_all_gather(self, mesh: "
+                "DeviceMesh, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, "
+                f"mp_policy: MixedPrecisionPolicy) (parameter {self.fqn!r}, {type(local).__name__})."
             )
         inputs = list(inputs)
         for t in inputs:
@@ -518,6 +529,8 @@ class ShardedParam:
             unsharded = torch.as_strided(
                 unsharded, self.full_shape, _contiguous_stride(self.full_shape), storage_offset=0
             )
+            if self.tp_spec is not None:  # the TP-local weight, on the TP mesh again (as PyTorch)
+                unsharded = make_dtensor(unsharded, self.tp_spec.mesh, self.tp_spec.placements, self.global_shape)
             self.unsharded_param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
             setattr(self.unsharded_param, GATHERED_FROM, self)
         self.extension_metadata = None
