@@ -69,6 +69,7 @@ class dynamo_disable:  # noqa: N801 - used as a decorator
         self.static = static
         self.owner: type | None = None
         self.name = fn.__name__
+        self.disabled: Callable[..., Any] | None = None
         functools.update_wrapper(cast(Any, self), fn)
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -85,14 +86,16 @@ class dynamo_disable:  # noqa: N801 - used as a decorator
         return self.resolve()(*args, **kwargs)  # called on the class: FSDPModule.unshard(m)
 
     def resolve(self) -> Callable[..., Any]:
-        import torch._dynamo
+        """The disabled function, made once; it replaces this descriptor on its class."""
+        if self.disabled is None:
+            import torch._dynamo
 
-        disabled: Callable[..., Any] = torch._dynamo.disable(  # type: ignore[no-untyped-call]
-            self.fn, recursive=True, reason="shardwise hooks"
-        )
-        if self.owner is not None:
-            setattr(self.owner, self.name, staticmethod(disabled) if self.static else disabled)
-        return disabled
+            self.disabled = torch._dynamo.disable(  # type: ignore[no-untyped-call]
+                self.fn, recursive=True, reason="shardwise hooks"
+            )
+            if self.owner is not None:
+                setattr(self.owner, self.name, staticmethod(self.disabled) if self.static else self.disabled)
+        return self.disabled
 
 
 # Descriptors still on their classes: all replaced when the first module state
