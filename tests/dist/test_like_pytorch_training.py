@@ -264,6 +264,30 @@ def test_grad_accumulation_no_sync_no_reshard_matches_torch():
     _step_and_compare(a, b, _x(2))
 
 
+# backward(create_graph=True): PyTorch's fully_shard reduces under no_grad, so
+# training goes on as with a plain backward (shardwise's two-rank reduce-scatter
+# failed: an out= addition of gradients that required grad).
+@pytest.mark.parametrize("accumulate", [False, True])
+@multi_rank(world_sizes=(2,))
+def test_backward_with_create_graph_matches_torch(accumulate):
+    import warnings
+
+    a, b = _both()
+    warnings.filterwarnings("ignore", "Using backward\\(\\) with create_graph=True")
+    for it in range(2):
+        if accumulate:
+            for m in (a, b):
+                m.set_requires_gradient_sync(False)
+                m(_x(10 + it)).pow(2).sum().backward(create_graph=True)
+                m.set_requires_gradient_sync(True)
+        for m in (a, b):
+            m(_x(it)).pow(2).sum().backward(create_graph=True)
+        _assert_grads_equal(a, b)
+        assert not any(p.grad.requires_grad for m in (a, b) for p in m.parameters())
+        for m in (a, b):
+            m.zero_grad()
+
+
 # unshard() on the root before any forward, then a normal step.
 @multi_rank(world_sizes=(2,))
 def test_unshard_root_before_first_forward():

@@ -318,6 +318,23 @@ def test_error_types_like_pytorch(case):
 
 
 @multi_rank(world_sizes=(2,))
+def test_gradients_of_gradients_refused_like_fsdp1():
+    """FSDP1 refuses backward(create_graph=True) in its post-backward, with a
+    RuntimeError (fully_shard, PyTorch's and ours, trains through it)."""
+    import warnings
+
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise.wrap as swrap
+
+    warnings.filterwarnings("ignore", "Using backward\\(\\) with create_graph=True")
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), use_orig_params=True)
+    for m in (t, o):
+        with pytest.raises(RuntimeError, match="FSDP does not support gradients of gradients"):
+            m(_x()).sum().backward(create_graph=True)
+
+
+@multi_rank(world_sizes=(2,))
 def test_module_type_and_repr_like_pytorch():
     """`model.module` is the user's module itself in PyTorch (type(model.module) is
     Net, repr shows `Net(`); shardwise swaps its class for a generated `FSDPNet`

@@ -49,7 +49,7 @@ import torch.nn as nn
 
 import shardwise.observe as observe
 from shardwise.comm import WorkHandle, exchanges_together, packs_exchanges
-from shardwise.errors import ConfigError, MixedDtypeError, UnsupportedError
+from shardwise.errors import ConfigError, MixedDtypeError
 from shardwise.layout import FlatLayout, ShardLayout
 from shardwise.mesh import MeshInfo, SubgroupInfo
 from shardwise.policies import MixedPrecisionPolicy
@@ -778,13 +778,7 @@ class ParamGroup:
                     continue
                 # A gradient is reduced even if its parameter was frozen since
                 # it was computed (mid-accumulation), as the unsharded model keeps it.
-                grad = up.grad
-                if grad is not None and grad.layout != torch.strided:
-                    raise UnsupportedError(
-                        f"{p.fqn} got a {grad.layout} gradient; fully_shard reduce-scatters dense "
-                        "gradients only (as PyTorch's does). Use nn.Embedding(..., sparse=False), or "
-                        "keep that module out of fully_shard (ignored_params)."
-                    )
+                grad = p.unsharded_grad(settings.refuse_grad_of_grad)
                 # Accumulation happens on the gradient as autograd made it: a
                 # TP gradient stays a DTensor (Partial over tp for sequence
                 # parallel) and is brought to its parameter's placements once,

@@ -67,6 +67,9 @@ class GroupSettings:
     # them in the reduce dtype (fully_shard's); off: as autograd made them, in
     # the compute dtype, cast when reduced (FSDP1's flat gradient).
     accumulate_in_reduce_dtype: bool = True
+    # A gradient that itself requires grad (backward(create_graph=True)) is a
+    # RuntimeError, as in FSDP1; off: it is reduced detached (fully_shard's).
+    refuse_grad_of_grad: bool = False
     # Reduce zeros for trainable parameters without a gradient this backward.
     reduce_scatter_unused_params: bool = False
     # Groups of several dtypes: one all-gather per dtype instead of one packed

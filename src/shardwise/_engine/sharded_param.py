@@ -535,6 +535,25 @@ class ShardedParam:
             setattr(self.unsharded_param, GATHERED_FROM, self)
         self.extension_metadata = None
 
+    def unsharded_grad(self, refuse_grad_of_grad: bool) -> torch.Tensor | None:
+        """The unsharded parameter's gradient, to be reduced: dense, and
+        detached where backward(create_graph=True) made it require grad
+        (PyTorch's fully_shard reduces under no_grad; FSDP1 refuses it)."""
+        grad = None if self.unsharded_param is None else self.unsharded_param.grad
+        if grad is None:
+            return None
+        if grad.layout != torch.strided:
+            raise UnsupportedError(
+                f"{self.fqn} got a {grad.layout} gradient; fully_shard reduce-scatters dense "
+                "gradients only (as PyTorch's does). Use nn.Embedding(..., sparse=False), or "
+                "keep that module out of fully_shard (ignored_params)."
+            )
+        if grad.requires_grad:
+            if refuse_grad_of_grad:
+                raise RuntimeError("FSDP does not support gradients of gradients")
+            grad = grad.detach()
+        return grad
+
     def grad_local(self, grad: torch.Tensor) -> torch.Tensor:
         """The plain tensor of an unsharded gradient: a TP DTensor gradient is
         first brought to the parameter's TP placements (e.g. Partial -> Replicate)."""

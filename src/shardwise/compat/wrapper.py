@@ -444,6 +444,7 @@ class FullyShardedDataParallel(nn.Module):
         # FSDP1's division around the sum, and its accumulation in no_sync.
         settings.fsdp1_divide = True
         settings.accumulate_in_reduce_dtype = False
+        settings.refuse_grad_of_grad = True
 
     # ---- plain accessors ---------------------------------------------------------------
     @property
