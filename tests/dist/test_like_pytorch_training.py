@@ -288,6 +288,82 @@ def test_backward_with_create_graph_matches_torch(accumulate):
             m.zero_grad()
 
 
+# PyTorch's composable replicate() (DDP) on a child, then fully_shard on the
+# parent: PyTorch's fully_shard leaves the replicated subtree to DDP. shardwise
+# sharded it as well, and both reduced its gradients: wrong from the second step.
+@multi_rank(world_sizes=(2,))
+def test_fully_shard_leaves_a_replicated_child_to_ddp():
+    from torch.distributed._composable import replicate
+
+    torch.manual_seed(0)
+    ref = Net()
+    models = {"shardwise": copy.deepcopy(ref), "torch": copy.deepcopy(ref)}
+    for lib, m in models.items():
+        replicate(m.blocks[0])
+        (_sw() if lib == "shardwise" else _pt())(m)
+    replicate(ref)
+    assert _param_types(models["shardwise"]) == _param_types(models["torch"])
+    assert _param_types(models["shardwise"])["blocks.0.lin1.weight"] == "Parameter"
+    runs = {}
+    for lib, m in {**models, "ddp": ref}.items():
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        runs[lib] = []
+        for it in range(3):
+            loss = m(_x(it)).pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            runs[lib].append(loss.item())
+    assert runs["shardwise"] == runs["torch"] == runs["ddp"], runs
+
+
+# The debug records PyTorch's fully_shard logs for its hooks (TORCH_LOGS=fsdp
+# shows them; PyTorch's test_fully_shard_logging checks them): the same ones.
+# (Layers after the first are checkpointed: no records for their recompute.)
+@multi_rank(world_sizes=(2,))
+def test_hook_debug_records_match_torch():
+    import logging
+
+    from torch.utils.checkpoint import checkpoint
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    class Seq(nn.Sequential):
+        def forward(self, x):
+            for i, layer in enumerate(self):
+                x = checkpoint(layer, x, use_reentrant=False) if i else layer(x)
+            return x
+
+    logger = logging.getLogger("torch.distributed.fsdp")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    runs = {}
+    try:
+        for lib, fs in (("shardwise", _sw()), ("torch", _pt())):
+            torch.manual_seed(0)
+            model = Seq(*[nn.Linear(4, 4, bias=False) for _ in range(3)])
+            for layer in model:
+                fs(layer)
+            fs(model)
+            handler = Records()
+            logger.addHandler(handler)
+            for _ in range(2):
+                model(torch.randn(4, 4)).sum().backward()
+            logger.removeHandler(handler)
+            runs[lib] = handler.messages
+    finally:
+        logger.setLevel(level)
+    assert "FSDP::post_backward (0)" in runs["torch"], runs["torch"]
+    from collections import Counter
+    assert sorted(runs["shardwise"]) == sorted(runs["torch"]), (Counter(runs["shardwise"]) - Counter(runs["torch"]), Counter(runs["torch"]) - Counter(runs["shardwise"]))
+
+
 # unshard() on the root before any forward, then a normal step.
 @multi_rank(world_sizes=(2,))
 def test_unshard_root_before_first_forward():

@@ -31,7 +31,7 @@ from shardwise.errors import ConfigTypeError, UnsupportedError
 from shardwise.policies import MixedPrecisionPolicy
 
 from .param_group import IterationContext, ParamGroup, TrainingState
-from .trace import trace
+from .trace import log_hook, trace
 from .trees import cast_floats, map_tensors
 
 
@@ -321,6 +321,7 @@ class ModuleState:
             for i, group in enumerate(state.groups):
                 group.ctx = ctx
                 group.name = state.name if state is not self else f"{state.name} (root)"
+                group.module_fqn = state.name if state is not self else ""
                 if i:
                     group.name += f" [mesh {i}]"
                 group.reset_sharded_params()
@@ -397,6 +398,8 @@ class ModuleState:
         self.lazy_init()
         if self.is_root and self.ctx.final_callback_queued and torch._C._current_graph_task_id() == -1:
             self._recover_from_aborted_backward()
+        if self.is_root:
+            log_hook("FSDP::root_pre_forward")
         with trace(f"shardwise::pre_forward ({self.name})"):
             if self.is_root and self.device.type != "cpu":
                 args, kwargs = map_tensors(self._to_device, (args, kwargs))
@@ -509,6 +512,7 @@ class ModuleState:
     def finalize_backward(self) -> None:
         """The root's end-of-backward callback: every group under the root."""
         ctx = self.ctx
+        log_hook("FSDP::root_post_backward")
         with trace("shardwise::finalize_backward"):
             try:
                 for state in ctx.states:

@@ -59,7 +59,7 @@ from .plan import GroupPlan
 from .prefetch import prefetch_run
 from .settings import GroupSettings
 from .sharded_param import ShardedParam, ShardedState, same_version, alloc_storage, free_storage
-from .trace import trace
+from .trace import log_hook, trace
 
 # The module state type (module_state.ModuleState, which imports this module).
 S = TypeVar("S")
@@ -202,6 +202,7 @@ class ParamGroup:
         self.storage_device = storage_device  # where shards live (CPU when offloaded)
         self.pin_memory = pin_memory
         self.name = name
+        self.module_fqn = ""  # under the root (set at lazy init), for log records
         self.settings = settings
         self.ctx: IterationContext[Any] = IterationContext()
         # A process group of its own for reduce-scatters (None: the shard group).
@@ -696,6 +697,8 @@ class ParamGroup:
 
     # ---- forward --------------------------------------------------------------
     def pre_forward(self) -> None:
+        if self.training_state != TrainingState.PRE_BACKWARD:  # not recomputed in backward
+            log_hook("FSDP::pre_forward", self.module_fqn)
         self.training_state = TrainingState.FORWARD
         self._prefetched = False
         if self.ctx.forward_order is None:
@@ -713,6 +716,7 @@ class ParamGroup:
         self._register_unsharded()
 
     def post_forward(self) -> None:
+        log_hook("FSDP::post_forward", self.module_fqn)
         if self.reshard_after_forward and self.summon_depth == 0:  # a forward inside summon keeps them whole
             if self.subgroup is not None:
                 self._reshard_post_forward()
@@ -734,6 +738,7 @@ class ParamGroup:
     def pre_backward(self) -> None:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
+        log_hook("FSDP::pre_backward", self.module_fqn)
         self.training_state = TrainingState.PRE_BACKWARD
         self._prefetched = False
         unshard = self.settings.unshard_in_backward
@@ -766,6 +771,7 @@ class ParamGroup:
 
     def post_backward(self) -> None:
         """Reduce-scatter the gradients computed so far, then reshard."""
+        log_hook("FSDP::post_backward", self.module_fqn)
         self.training_state = TrainingState.POST_BACKWARD
         settings = self.settings
         sync = settings.requires_grad_sync

@@ -166,10 +166,24 @@ def shard_modules(
     return state
 
 
+def replicated(mod: nn.Module) -> bool:
+    """Whether PyTorch's composable ``replicate()`` (DDP) manages ``mod``.
+    PyTorch's fully_shard leaves such a module, and all under it, to DDP; so
+    do we. replicate() records itself in the composable-API registry in the
+    module's ``__dict__``, under a per-process key with a fixed prefix, by
+    its function's name: read there, without importing
+    torch.distributed._composable."""
+    return any(
+        key.startswith("__composable_api_state_key") and isinstance(value, dict) and "replicate" in value
+        for key, value in vars(mod).items()
+    )
+
+
 def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
-    """``modules`` and their submodules not under a nested fully_shard."""
+    """``modules`` and their submodules not under a nested fully_shard or a
+    ``replicate()``."""
     out: list[nn.Module] = []
-    stack = list(modules)
+    stack = [m for m in modules if not replicated(m)]
     seen: set[int] = set()
     while stack:
         m = stack.pop()
@@ -177,7 +191,7 @@ def _managed_modules(modules: tuple[nn.Module, ...]) -> list[nn.Module]:
             continue
         seen.add(id(m))
         out.append(m)
-        stack.extend(c for c in m.children() if state_of(c) is None)
+        stack.extend(c for c in m.children() if state_of(c) is None and not replicated(c))
     return out
 
 
@@ -259,6 +273,8 @@ def _collect_params(
         seen_modules.add(id(mod))
         if not top and state_of(mod) is not None:
             return  # owned by a nested fully_shard
+        if replicated(mod):
+            return  # DDP's (PyTorch's fully_shard skips it too)
         for name, p in mod._parameters.items():
             if p is None or id(p) in ignored:
                 continue

@@ -8,6 +8,7 @@ when the autograd profiler (which ``torch.profiler.profile`` drives) is on.
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -17,6 +18,18 @@ from torch.profiler import record_function
 import shardwise.observe as observe
 
 _NOTHING = nullcontext()
+
+# PyTorch's fully_shard logs each hook at DEBUG to this logger, which
+# TORCH_LOGS=fsdp shows (through its parent, "torch.distributed.fsdp"; naming a
+# logger imports nothing). Ours logs the same records.
+_LOG = logging.getLogger("torch.distributed.fsdp.fully_shard")
+
+
+def log_hook(label: str, module_fqn: str = "") -> None:
+    """PyTorch's debug record of a hook: ``label``, then the module's name
+    under the root in parentheses (none for the root)."""
+    if _LOG.isEnabledFor(logging.DEBUG):
+        _LOG.debug("%s", f"{label} ({module_fqn})" if module_fqn else label)
 
 
 def trace(name: str) -> AbstractContextManager[Any]:
@@ -48,4 +61,4 @@ class _Both:
         self.first.__exit__(*exc)
 
 
-__all__ = ["trace"]
+__all__ = ["log_hook", "trace"]
