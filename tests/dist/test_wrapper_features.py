@@ -269,6 +269,41 @@ def test_sync_module_states_broadcasts_ignored_modules_buffers_not_their_params(
 
 
 @multi_rank(world_sizes=(2,))
+def test_sync_module_states_refuses_ranks_that_built_different_modules():
+    """A param_init_fn that unties a tied weight on the ranks that built on
+    meta (to_empty(recurse=False) on each holder) leaves them one tensor more
+    to broadcast than rank 0: every rank raises the same error at once (it
+    hung in the broadcasts until the process group's timeout)."""
+    import torch.distributed as dist
+
+    from shardwise import FullyShardedDataParallel as FSDP
+    from shardwise.errors import ConfigError
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(6, 4)
+            self.head = nn.Linear(4, 6, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    if dist.get_rank() == 0:
+        model, init = Tied(), None
+    else:
+        with torch.device("meta"):
+            model = Tied()
+
+        def init(m):
+            m.to_empty(device=torch.device("cpu"), recurse=False)
+
+    with pytest.raises(ConfigError, match="different parameters and buffers") as err:
+        FSDP(model, sync_module_states=True, param_init_fn=init, device_id=torch.device("cpu"))
+    assert ("between 1 and 2 tensors" in str(err.value)), str(err.value)
+
+
+@multi_rank(world_sizes=(2,))
 def test_ignored_modules_stay_local_and_unwrapped():
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor

@@ -318,6 +318,31 @@ def test_error_types_like_pytorch(case):
 
 
 @multi_rank(world_sizes=(2,))
+def test_summon_before_any_forward_decides_the_root_like_fsdp1():
+    """FSDP1's summon_full_params lazily initialises the wrapper it is given,
+    so a nested unit run on its own inside it (T5's generate() runs the
+    encoder's blocks so) is not taken for a root; shardwise's made the block
+    the root, and the model's first forward then raised."""
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), use_orig_params=True)
+    outs, losses = [], []
+    for F, m in ((tfsdp.FullyShardedDataParallel, t), (shardwise.FullyShardedDataParallel, o)):
+        with torch.no_grad(), F.summon_full_params(m, writeback=False):
+            outs.append(m.blocks[0](torch.ones(2, 16)))
+        assert m.check_is_root() and not m.blocks[0].check_is_root()
+        loss = m(_x()).sum()
+        loss.backward()
+        losses.append(loss.item())
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert losses[0] == losses[1]
+
+
+@multi_rank(world_sizes=(2,))
 def test_gradients_of_gradients_refused_like_fsdp1():
     """FSDP1 refuses backward(create_graph=True) in its post-backward, with a
     RuntimeError (fully_shard, PyTorch's and ours, trains through it)."""

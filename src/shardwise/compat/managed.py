@@ -260,6 +260,7 @@ def sync_module_states(
         for group in groups:
             if dist.get_world_size(group) == 1:
                 continue
+            _check_same_tensors(tensors, group, comm_device)
             src = dist.get_global_rank(group, 0)
             for value in tensors:
                 buf = value.detach()
@@ -269,3 +270,23 @@ def sync_module_states(
                 dist.broadcast(buf, src=src, group=group)
                 if moved:
                     value.detach().copy_(buf)
+
+
+def _check_same_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup, device: torch.device) -> None:
+    """Every rank of ``group`` is about to broadcast as many tensors, of as
+    many elements: checked first with one small all-reduce, so that ranks
+    that built different modules (e.g. a ``param_init_fn`` that unties a tied
+    weight on some ranks) raise alike instead of waiting on each other's
+    broadcasts until the process group times out."""
+    count, numel = len(tensors), sum(t.numel() for t in tensors)
+    extremes = torch.tensor([count, -count, numel, -numel], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    hi_count, lo_count, hi_numel, lo_numel = extremes.tolist()
+    if (hi_count, hi_numel) != (-lo_count, -lo_numel):
+        raise ConfigError(
+            f"sync_module_states=True: the ranks hold different parameters and buffers to broadcast "
+            f"(between {-lo_count} and {hi_count} tensors, {-lo_numel} and {hi_numel} elements; this rank "
+            f"{count} and {numel}). Every rank must build the same module before wrapping: a param_init_fn "
+            "that materialises a shared (tied) weight twice, e.g. to_empty(recurse=False) on each module "
+            "that holds it, unties it; tie the weights again in param_init_fn, or build them on every rank."
+        )

@@ -62,6 +62,8 @@ def summon(
                 "unit's parameters are whole already; summon without offload_to_cpu)"
             )
     roots = cast(list[Any], root_wrappers(module))
+    for root in roots:  # FSDP1's lazy init: a summon before any forward decides the root
+        root._lazy_init()
     targets: list[nn.Module] = list(roots) if recurse else [r._fsdp_unit for r in roots]
     groups = [
         s.group
