@@ -495,6 +495,67 @@ def test_torchao_float8_all_gather_matches_pytorch(world_size):
             torch.testing.assert_close(g[n], rg[n], rtol=0, atol=0)
 
 
+class _QLoRALinear(nn.Module):
+    """torchtune's QLoRA linear, in small: a frozen NF4 weight (torchao) and
+    trainable low-rank adapters."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        self.weight = nn.Parameter(to_nf4(torch.randn(d_out, d_in), 64, 32), requires_grad=False)
+        self.lora_a = nn.Linear(d_in, 4, bias=False)
+        self.lora_b = nn.Linear(4, d_out, bias=False)
+
+    def forward(self, x):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
+
+
+@pytest.mark.parametrize("kind", ["nf4_qlora", "int8_training"])
+@multi_rank(world_sizes=(2,))
+def test_torchao_quantized_weights_train_like_pytorch(kind):
+    """torchao's other all-gather extensions: NF4 weights (QLoRA) and int8
+    weight-only training. PyTorch cuts such a weight with torch.chunk and
+    never zeroes it; shardwise narrowed it (NF4 has no arbitrary slice) and
+    zeroed its empty padding (int8 has no zero_), and fully_shard failed.
+    NF4's pre-hook returns flat quantized bytes and scales, not rows."""
+    pytest.importorskip("torchao")
+    from torch.distributed.fsdp import fully_shard as pt_fully_shard
+    from torchao import quantize_
+    from torchao.prototype.quantized_training import int8_weight_only_quantized_training
+
+    from shardwise import fully_shard as sw_fully_shard
+
+    runs = {}
+    for name, fs in (("shardwise", sw_fully_shard), ("torch", pt_fully_shard)):
+        torch.manual_seed(0)
+        if kind == "nf4_qlora":
+            model = nn.Sequential(_QLoRALinear(64, 128), nn.ReLU(), _QLoRALinear(128, 64))
+        else:
+            model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+            quantize_(model, int8_weight_only_quantized_training())
+        for m in (model[0], model[2], model):
+            fs(m)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+        outs = []
+        for step in range(3):
+            y = model(_x(step, 64))
+            y.float().square().mean().backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+            torch.manual_seed(99 + step)  # int8 training rounds stochastically in the step
+            opt.step()
+            opt.zero_grad()
+            outs.append((y.detach(), grads))
+        runs[name] = outs
+    for (y, g), (ry, rg) in zip(runs["shardwise"], runs["torch"]):
+        torch.testing.assert_close(y, ry, rtol=0, atol=0)
+        assert g.keys() == rg.keys() and g
+        for n in g:
+            torch.testing.assert_close(g[n], rg[n], rtol=0, atol=0)
+
+
 class _TPBlock(nn.Module):
     def __init__(self, d):
         super().__init__()

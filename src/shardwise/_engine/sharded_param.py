@@ -278,10 +278,11 @@ class ShardedParam:
             source = local_of(source)
         if local.device.type != "meta":
             if source.shape == self.full_shape and self.layout.num_shards > 1:
-                source = self.layout.local_chunk(source)
-            if source.device.type != "meta":
+                source = self._chunk_of(source)
+            if source.device.type != "meta" and rows:
                 local.copy_(source)
-            padded.narrow(self.shard_dim, rows, self.layout.chunk - rows).zero_()
+            if self.layout.chunk > rows:
+                padded.narrow(self.shard_dim, rows, self.layout.chunk - rows).zero_()
         local = own_storage(local)  # [Note: shards with a storage of their own]
         self.sharded_data = padded
         self._adopted_local = local
@@ -300,6 +301,16 @@ class ShardedParam:
             # the same memory, the one an empty shard is recognised by.)
             self._adopted_local = local_of(self.sharded_param)
         self.register_sharded()
+
+    def _chunk_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of the full ``full``: a narrowed view; for a tensor
+        subclass (torchao's NF4 and int8 training weights), what
+        ``torch.chunk`` gives, as PyTorch's fully_shard cuts them: such types
+        implement the split it dispatches, not always an arbitrary slice."""
+        if type(full) in (torch.Tensor, nn.Parameter):
+            return self.layout.local_chunk(full)
+        chunks = torch.chunk(full, self.layout.num_shards, dim=self.shard_dim)
+        return chunks[self.layout.rank] if self.layout.rank < len(chunks) else full.new_empty(0)
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's (unpadded) chunk as a DTensor of the global shape
@@ -485,14 +496,10 @@ class ShardedParam:
                 "DeviceMesh, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, "
                 f"mp_policy: MixedPrecisionPolicy) (parameter {self.fqn!r}, {type(local).__name__})."
             )
+        # Any shapes, as in PyTorch: each is gathered flat and seen by the
+        # post-hook as every rank's tensor stacked on dim 0 (NF4 returns flat
+        # quantized bytes and scales, not rows of the shard).
         inputs = list(inputs)
-        for t in inputs:
-            if t.shape[:1] != self.layout.padded_shape[:1]:
-                raise ConfigError(
-                    f"{self.fqn}: fsdp_pre_all_gather returned a tensor of shape {tuple(t.shape)}; "
-                    f"with FSDP's padding each must have {self.layout.padded_shape[0]} rows "
-                    f"(the padded shard {tuple(self.layout.padded_shape)})."
-                )
         self.extension_sizes = [t.shape for t in inputs]
         self.extension_dtypes = [t.dtype for t in inputs]
         return [t.contiguous().view(-1) for t in inputs]
