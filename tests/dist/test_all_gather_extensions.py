@@ -495,6 +495,39 @@ def test_torchao_float8_all_gather_matches_pytorch(world_size):
             torch.testing.assert_close(g[n], rg[n], rtol=0, atol=0)
 
 
+@multi_rank(world_sizes=(3,))
+def test_torchao_precomputed_float8_scale_with_uneven_shards():
+    """Uneven shards (64 rows over 3 ranks: 22, 22, 20), which PyTorch's
+    fully_shard cannot gather for extensions: the last rank's pre-hook runs
+    on its padded buffer, which must take torchao's precomputed scale too.
+    Without it that rank alone all-reduced an amax, and every rank hung.
+    Precomputed or not, the numbers are the same."""
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+    from shardwise import fully_shard
+
+    runs = {}
+    for precompute in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(96, 64, bias=False), nn.ReLU(), nn.Linear(64, 96, bias=False))
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True))
+        for m in (model[0], model[2], model):
+            fully_shard(m)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            loss = model(_x(step, 96)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if precompute:
+                precompute_float8_dynamic_scale_for_fsdp(model)
+            losses.append(loss.item())
+        runs[precompute] = losses
+    assert runs[True] == runs[False], runs
+
+
 class _QLoRALinear(nn.Module):
     """torchtune's QLoRA linear, in small: a frozen NF4 weight (torchao) and
     trainable low-rank adapters."""

@@ -482,6 +482,11 @@ class ShardedParam:
         shard: Any = local if local.shape == self.layout.padded_shape else self.sharded_data
         if shard.device != device:
             shard = shard.to(device, non_blocking=True)
+        if shard is not local and getattr(local, "_precomputed_scale", None) is not None:
+            # torchao's precomputed float8 scale is the whole weight's: the
+            # padded buffer's object takes it too (else its pre-hook reduces
+            # an amax on this rank alone, and the ranks' collectives part)
+            shard._precomputed_scale = local._precomputed_scale
         pre = getattr(shard, "fsdp_pre_all_gather", None) or getattr(local, "fsdp_pre_all_gather")
         signature = inspect.signature(pre)
         if len(signature.parameters) == 1:  # the older one-argument form
