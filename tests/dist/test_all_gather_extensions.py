@@ -479,18 +479,30 @@ def test_torchao_float8_all_gather_matches_pytorch(world_size):
         if name == "torch":
             for m in (model[0], model[2]):
                 m.set_custom_all_gather(_BytesAllGather())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        outs = []
-        for step in range(3):
-            y = model(_x(step, 32))
-            y.float().square().mean().backward()
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            opt.step()
-            opt.zero_grad()
-            outs.append((y.detach(), grads))
-        runs[name] = outs
+        runs[name] = _record_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), 32)
+    _assert_bit_equal(runs)
+
+
+def _record_steps(model, opt, dim, reseed=False):
+    """Three steps on ``_x``: each output and the full gradients. ``reseed``:
+    the same RNG state before each optimizer step (for stochastic rounding)."""
+    outs = []
+    for step in range(3):
+        y = model(_x(step, dim))
+        y.float().square().mean().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        if reseed:
+            torch.manual_seed(99 + step)
+        opt.step()
+        opt.zero_grad()
+        outs.append((y.detach(), grads))
+    return outs
+
+
+def _assert_bit_equal(runs):
     for (y, g), (ry, rg) in zip(runs["shardwise"], runs["torch"]):
         torch.testing.assert_close(y, ry, rtol=0, atol=0)
+        assert g.keys() == rg.keys() and g
         for n in g:
             torch.testing.assert_close(g[n], rg[n], rtol=0, atol=0)
 
@@ -572,21 +584,8 @@ def test_torchao_quantized_weights_train_like_pytorch(kind):
         for m in (model[0], model[2], model):
             fs(m)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
-        outs = []
-        for step in range(3):
-            y = model(_x(step, 64))
-            y.float().square().mean().backward()
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
-            torch.manual_seed(99 + step)  # int8 training rounds stochastically in the step
-            opt.step()
-            opt.zero_grad()
-            outs.append((y.detach(), grads))
-        runs[name] = outs
-    for (y, g), (ry, rg) in zip(runs["shardwise"], runs["torch"]):
-        torch.testing.assert_close(y, ry, rtol=0, atol=0)
-        assert g.keys() == rg.keys() and g
-        for n in g:
-            torch.testing.assert_close(g[n], rg[n], rtol=0, atol=0)
+        runs[name] = _record_steps(model, opt, 64, reseed=True)  # int8 training rounds stochastically
+    _assert_bit_equal(runs)
 
 
 class _TPBlock(nn.Module):
