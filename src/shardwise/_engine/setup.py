@@ -171,8 +171,8 @@ def replicated(mod: nn.Module) -> bool:
     PyTorch's fully_shard leaves such a module, and all under it, to DDP; so
     do we. replicate() records itself in the composable-API registry in the
     module's ``__dict__``, under a per-process key with a fixed prefix, by
-    its function's name: read there, without importing
-    torch.distributed._composable."""
+    its function's name: read there, without importing PyTorch's
+    composable-API package."""
     return any(
         key.startswith("__composable_api_state_key") and isinstance(value, dict) and "replicate" in value
         for key, value in vars(mod).items()

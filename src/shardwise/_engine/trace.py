@@ -19,10 +19,22 @@ import shardwise.observe as observe
 
 _NOTHING = nullcontext()
 
-# PyTorch's fully_shard logs each hook at DEBUG to this logger, which
-# TORCH_LOGS=fsdp shows (through its parent, "torch.distributed.fsdp"; naming a
-# logger imports nothing). Ours logs the same records.
-_LOG = logging.getLogger("torch.distributed.fsdp.fully_shard")
+
+def _fsdp_logger() -> logging.Logger:
+    """Where PyTorch's fully_shard logs each hook at DEBUG: a child of the
+    first logger that torch's log registry names for the ``fsdp`` alias (what
+    ``TORCH_LOGS=fsdp`` turns on). Ours logs the same records there; naming a
+    logger imports nothing. Without that registry entry: ``shardwise``'s own."""
+    try:
+        from torch._logging._internal import log_registry
+
+        names = log_registry.log_alias_to_log_qnames.get("fsdp") or ["shardwise"]
+    except (ImportError, AttributeError):
+        names = ["shardwise"]
+    return logging.getLogger(f"{names[0]}.fully_shard")
+
+
+_LOG = _fsdp_logger()
 
 
 def log_hook(label: str, module_fqn: str = "") -> None:
