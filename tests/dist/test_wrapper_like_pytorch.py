@@ -342,6 +342,42 @@ def test_summon_before_any_forward_decides_the_root_like_fsdp1():
     assert losses[0] == losses[1]
 
 
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@multi_rank(world_sizes=(2,))
+def test_optimizer_in_backward_like_fsdp1(use_orig_params):
+    """torch.distributed.optim's _apply_optimizer_in_backward on a wrapped
+    model: FSDP1 steps each parameter's optimizers once its sharded gradient
+    is in, then clears it (shardwise left the parameters unchanged); without
+    use_orig_params it refuses at the first forward."""
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    o, t = _both(swrap.ModuleWrapPolicy({Block}), twrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    results = []
+    for F, m in ((tfsdp.FullyShardedDataParallel, t), (shardwise.FullyShardedDataParallel, o)):
+        _apply_optimizer_in_backward(torch.optim.SGD, m.parameters(), {"lr": 0.05, "momentum": 0.9})
+        if not use_orig_params:
+            with pytest.raises(RuntimeError, match="only supported with use_orig_params=True"):
+                m(_x())
+            continue
+        for _ in range(2):
+            m(_x()).pow(2).sum().backward()
+        assert all(p.grad is None for p in m.parameters())
+        with F.summon_full_params(m):
+            results.append({n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in m.named_parameters()})
+    if use_orig_params:
+        assert results[0].keys() == results[1].keys()
+        with torch.no_grad():
+            initial = dict(_base().named_parameters())
+        for n, v in results[0].items():
+            assert not torch.equal(v, initial[n]), n  # stepped
+            torch.testing.assert_close(results[1][n], v, msg=n)
+
+
 @multi_rank(world_sizes=(2,))
 def test_gradients_of_gradients_refused_like_fsdp1():
     """FSDP1 refuses backward(create_graph=True) in its post-backward, with a

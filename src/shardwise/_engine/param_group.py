@@ -58,7 +58,8 @@ from . import collectives as coll
 from .plan import GroupPlan
 from .prefetch import prefetch_run
 from .settings import GroupSettings
-from .sharded_param import ShardedParam, ShardedState, same_version, alloc_storage, free_storage
+from .sharded_param import ShardedParam, ShardedState, alloc_storage, free_storage, same_version
+from .sharded_param import step_in_backward_optimizers
 from .trace import log_hook, trace
 
 # The module state type (module_state.ModuleState, which imports this module).
@@ -828,6 +829,7 @@ class ParamGroup:
                     # [Note: one-rank groups alias their shards]: nothing to reduce
                     for p, grad in zip(bucket_params, bucket_grads):
                         p.shard_grad(grad)
+                    step_in_backward_optimizers(bucket_params, settings.step_in_backward_optimizers)
                     continue
                 keep = self.ctx.max_pending
                 self.ctx.drain(keep=max(1, self.ctx.run_pending) if keep is None else keep)
@@ -912,6 +914,7 @@ class ParamGroup:
             if host is not None and (p.sharded_param.grad is not None or p.has_post_accumulate_grad_hooks):
                 self.wait_for_offloaded_grads()  # accumulating or a hook reads the host copy now
             p.shard_grad(shard if alias else shard.clone(), dtype=grad_dtype)
+        step_in_backward_optimizers(pr.params, settings.step_in_backward_optimizers)
         return True
 
     def _offload_copy(

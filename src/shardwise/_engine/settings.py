@@ -70,6 +70,10 @@ class GroupSettings:
     # A gradient that itself requires grad (backward(create_graph=True)) is a
     # RuntimeError, as in FSDP1; off: it is reduced detached (fully_shard's).
     refuse_grad_of_grad: bool = False
+    # FSDP1's optimizer in backward: optimizers torch.distributed.optim's
+    # _apply_optimizer_in_backward attached to a parameter step once its
+    # sharded gradient is installed (fully_shard, like PyTorch's, leaves them).
+    step_in_backward_optimizers: bool = False
     # Reduce zeros for trainable parameters without a gradient this backward.
     reduce_scatter_unused_params: bool = False
     # Groups of several dtypes: one all-gather per dtype instead of one packed

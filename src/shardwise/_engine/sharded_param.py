@@ -627,6 +627,23 @@ class ShardedParam:
         return bool(getattr(self.sharded_param, "_post_accumulate_grad_hooks", None))
 
 
+def step_in_backward_optimizers(params: list[ShardedParam], enabled: bool) -> None:
+    """FSDP1's optimizer in backward (``enabled``: the wrapper's groups): once
+    their sharded gradients are installed, every optimizer that
+    ``_apply_optimizer_in_backward`` attached to a parameter steps, then its
+    gradients are cleared. (That function hooks the parameter's own gradient
+    accumulator, which never runs for a sharded parameter.)"""
+    if not enabled:
+        return
+    for p in params:
+        optims = getattr(p.sharded_param, "_in_backward_optimizers", None)
+        if optims and p.sharded_param.grad is not None:
+            for optim in optims:
+                optim.step()
+            for optim in optims:
+                optim.zero_grad(set_to_none=True)
+
+
 def same_version(t: torch.Tensor) -> AbstractContextManager[Any]:
     """Writes inside leave ``t``'s autograd version unchanged (as PyTorch's
     all-gather copy-out does); inference tensors have no version."""

@@ -445,6 +445,7 @@ class FullyShardedDataParallel(nn.Module):
         settings.fsdp1_divide = True
         settings.accumulate_in_reduce_dtype = False
         settings.refuse_grad_of_grad = True
+        settings.step_in_backward_optimizers = True
 
     # ---- plain accessors ---------------------------------------------------------------
     @property
@@ -575,6 +576,13 @@ class FullyShardedDataParallel(nn.Module):
                     f"Expects one homogeneous value for {name} but got {values}: pass the same "
                     f"{name.lstrip('_')} to every FullyShardedDataParallel of one model."
                 )
+        if any(not w._use_orig_params for w in wrappers) and any(
+            hasattr(p, "_in_backward_optimizers") for p in self.parameters()
+        ):
+            raise UsageError(  # RuntimeError too, as FSDP1's (at its root's first forward)
+                "FSDP optimizer in backward only supported with use_orig_params=True! "
+                "(_apply_optimizer_in_backward needs FullyShardedDataParallel(..., use_orig_params=True).)"
+            )
         state = state_of(self._fsdp_unit)
         if state is not None:
             state.lazy_init()
