@@ -379,6 +379,36 @@ def test_optimizer_in_backward_like_fsdp1(use_orig_params):
 
 
 @multi_rank(world_sizes=(2,))
+def test_apply_on_a_child_before_its_parent_is_wrapped_like_fsdp1():
+    """model.apply(init) over a child already wrapped (a param_init_fn after
+    auto-wrap does so), then the parent wrapped: FSDP1's apply() initialises
+    the child to gather it, then resets it, so the parent becomes the root.
+    shardwise's left the child a root (since its summon_full_params
+    initialises, as FSDP1's), and the first forward raised."""
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    def init(m):
+        if isinstance(m, nn.Linear):
+            with torch.no_grad():
+                m.weight.fill_(0.1)
+
+    losses = []
+    for F, kw in ((tfsdp.FullyShardedDataParallel, {"device_id": torch.device("cpu")}),
+                  (shardwise.FullyShardedDataParallel, {})):
+        model = _base()
+        model.blocks[0] = F(model.blocks[0], **kw)
+        model.apply(init)
+        wrapped = F(model, **kw)
+        loss = wrapped(_x()).sum()
+        loss.backward()
+        assert wrapped.check_is_root() and not model.blocks[0].check_is_root()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+
+
+@multi_rank(world_sizes=(2,))
 def test_gradients_of_gradients_refused_like_fsdp1():
     """FSDP1 refuses backward(create_graph=True) in its post-backward, with a
     RuntimeError (fully_shard, PyTorch's and ours, trains through it)."""

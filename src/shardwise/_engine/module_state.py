@@ -546,6 +546,18 @@ class ModuleState:
         )
         self.reset_iter_state()
 
+    def reset_lazy_init(self) -> None:
+        """Undo :meth:`lazy_init` of this root: the next forward decides the
+        root again (FSDP1's ``apply()`` on a wrapper not yet initialised
+        initialises it to gather, then resets it: it may be a child whose
+        parent is wrapped later)."""
+        if self.is_root is not True:
+            return
+        for state in self.ctx.states or [self]:
+            state.is_root = None
+        self.ctx.root = None
+        self.ctx.states = []
+
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward/backward: finish collectives,
         reshard, drop this iteration's trackers and pending gradients."""

@@ -655,8 +655,12 @@ class FullyShardedDataParallel(nn.Module):
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``nn.Module.apply`` with this wrapper's full parameters gathered (and
         written back), so ``fn`` can initialise them."""
+        uninitialized = self._is_root is None
         with FullyShardedDataParallel.summon_full_params(self, recurse=False, writeback=True):
             super().apply(fn)
+        state = state_of(self._fsdp_unit)
+        if uninitialized and state is not None:
+            state.reset_lazy_init()  # as FSDP1: a child wrapped before its parent is no root
         return self
 
     # ---- training helpers ----------------------------------------------------------------
