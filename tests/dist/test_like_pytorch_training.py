@@ -364,6 +364,28 @@ def test_hook_debug_records_match_torch():
     assert sorted(runs["shardwise"]) == sorted(runs["torch"]), (Counter(runs["shardwise"]) - Counter(runs["torch"]), Counter(runs["torch"]) - Counter(runs["shardwise"]))
 
 
+# A gradient's mesh is its parameter's mesh object, as in PyTorch (code that
+# groups gradients by mesh identity, as torchtitan's clipping does, groups them
+# as the parameters). A second model on a new slice of a 2-D mesh got its
+# parameters' mesh from DTensor's propagation cache (an equal, older object).
+@multi_rank(world_sizes=(2,))
+def test_gradients_share_their_parameters_mesh_object():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwise import MixedPrecisionPolicy
+
+    mesh2 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    for lib in ("shardwise", "torch", "shardwise"):
+        fs = _sw() if lib == "shardwise" else _pt()
+        mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if lib == "shardwise" else {}
+        torch.manual_seed(0)
+        model = Net()
+        for m in (*model.blocks, model):
+            fs(m, mesh=mesh2["dp"], **mp)
+        model(_x(0)).sum().backward()
+        assert all(p.grad.device_mesh is p.device_mesh for p in model.parameters()), lib
+
+
 # unshard() on the root before any forward, then a normal step.
 @multi_rank(world_sizes=(2,))
 def test_unshard_root_before_first_forward():

@@ -298,8 +298,11 @@ class ShardedParam:
         else:
             self.sharded_param = nn.Parameter(self._as_dtensor(local), requires_grad=self._initial_requires_grad)
             # (nn.Parameter detaches: its local tensor is another object over
-            # the same memory, the one an empty shard is recognised by.)
+            # the same memory, the one an empty shard is recognised by. Its
+            # mesh may be another object, equal to ours, from DTensor's
+            # propagation cache: gradients take the parameter's, as PyTorch's.)
             self._adopted_local = local_of(self.sharded_param)
+            self._grad_specs.clear()
         self.register_sharded()
 
     def _chunk_of(self, full: torch.Tensor) -> torch.Tensor:
@@ -321,7 +324,10 @@ class ShardedParam:
         6 us in the backward, line-profiled), once per gradient per step."""
         spec = self._grad_specs.get(local.dtype)
         if spec is None:
-            spec = make_dtensor(local, self.spmd_mesh, self.spmd_placements, self.global_shape)._spec
+            current, mesh = self.sharded_param, self.spmd_mesh
+            if isinstance(current, DTensor) and current.device_mesh == mesh:
+                mesh = current.device_mesh  # the parameter's own object (see adopt_storage)
+            spec = make_dtensor(local, mesh, self.spmd_placements, self.global_shape)._spec
             self._grad_specs[local.dtype] = spec
         if torch.compiler.is_compiling():
             return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
