@@ -409,6 +409,46 @@ def test_apply_on_a_child_before_its_parent_is_wrapped_like_fsdp1():
 
 
 @multi_rank(world_sizes=(2,))
+def test_ignored_arguments_refused_in_pytorchs_words():
+    """FSDP1's tests match these messages (test_fsdp_ignored_modules): the
+    same exception type, and PyTorch's words begin ours."""
+    import re
+    import warnings
+
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    cases = {
+        "params as modules": lambda m: {"ignored_modules": list(m.head.parameters())},
+        "both": lambda m: {"ignored_modules": [m.head], "ignored_states": list(m.head.parameters())},
+        "mixed states": lambda m: {"ignored_states": [m.head, m.inp.weight]},
+    }
+    for case, kw in cases.items():
+        caught = []
+        for F, extra in ((tfsdp.FullyShardedDataParallel, {"device_id": torch.device("cpu")}),
+                         (shardwise.FullyShardedDataParallel, {})):
+            model = _base()
+            with pytest.raises(Exception) as err:
+                F(model, **kw(model), **extra)
+            caught.append(err.value)
+        theirs, ours = caught
+        assert isinstance(ours, type(theirs)), (case, type(ours).__mro__)
+        head = str(theirs).split(" but got")[0]
+        assert re.match(re.escape(head), str(ours)), (case, str(ours), head)
+    said = []
+    for F, extra in ((tfsdp.FullyShardedDataParallel, {"device_id": torch.device("cpu")}),
+                     (shardwise.FullyShardedDataParallel, {})):
+        model = _base()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            F(model, ignored_modules=[model], **extra)
+        said.append([str(w.message) for w in seen if "top-level module" in str(w.message)])
+    assert said[0] and said[1], said
+    assert said[1][0].startswith(said[0][0].split(":")[0]), said
+
+
+@multi_rank(world_sizes=(2,))
 def test_gradients_of_gradients_refused_like_fsdp1():
     """FSDP1 refuses backward(create_graph=True) in its post-backward, with a
     RuntimeError (fully_shard, PyTorch's and ours, trains through it)."""

@@ -67,9 +67,9 @@ def resolve_ignored(root: nn.Module, ignored_modules: object, ignored_states: ob
     """Validate ``ignored_modules`` / ``ignored_states`` and expand modules to
     every module and parameter under them."""
     if ignored_modules is not None and ignored_states is not None:
-        raise ConfigError(
-            "Cannot pass both ignored_modules and ignored_states at the same time; pass "
-            "ignored_states alone (it takes modules or parameters)."
+        raise ConfigError(  # PyTorch's words first (its tests match them)
+            "Cannot pass both ignored_modules and ignored_states at the same time. Please just pass "
+            "ignored_states. (It takes modules or parameters.)"
         )
     source = ignored_states if ignored_states is not None else ignored_modules
     arg = "ignored_states" if ignored_states is not None else "ignored_modules"
@@ -80,13 +80,18 @@ def resolve_ignored(root: nn.Module, ignored_modules: object, ignored_states: ob
     items = list(source)
     mods = [x for x in items if isinstance(x, nn.Module)]
     params = [x for x in items if isinstance(x, nn.Parameter)]
-    if len(mods) + len(params) != len(items) or (mods and params):
-        raise ConfigError(  # a ValueError, as PyTorch's
-            f"{arg} must hold only nn.Modules or only nn.Parameters, got "
-            f"{sorted({type(x).__name__ for x in items})}."
+    types = sorted({type(x).__name__ for x in items})
+    # ValueErrors in PyTorch's words first, as FSDP1's (its tests match them)
+    if arg == "ignored_modules" and len(mods) != len(items):
+        raise ConfigError(
+            f"ignored_modules expects nn.Module list elements but got types {types}; "
+            "pass parameters with ignored_states."
         )
-    if params and arg == "ignored_modules":
-        raise ConfigError("ignored_modules must hold nn.Modules; pass parameters with ignored_states.")
+    if len(mods) + len(params) != len(items) or (mods and params):
+        raise ConfigError(
+            f"ignored_states expects all nn.Parameter or all nn.Module list elements but got types {types}: "
+            "pass only nn.Modules or only nn.Parameters."
+        )
     modules: set[nn.Module] = set()
     for m in mods:
         if is_wrapper(m):
@@ -96,7 +101,10 @@ def resolve_ignored(root: nn.Module, ignored_modules: object, ignored_states: ob
             )
         if m is root:
             warnings.warn(
-                "Ignoring the wrapped module itself leaves nothing to shard.", stacklevel=4
+                "Trying to ignore the top-level module passed into the FSDP constructor itself will "
+                f"result in all parameters being ignored and is not well-supported: {type(m).__name__} "
+                "(nothing is left to shard).",
+                stacklevel=4,
             )
         modules.update(m.modules())
     ignored_params = set(params)
