@@ -373,12 +373,12 @@ def test_readme_async_example_runs_and_resumes_under_torchrun(tmp_path):
     (tmp_path / "train_async.py").write_text(_readme_example())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train_async.py"]
-    for committed in ("step-00000040", "step-00000080"):  # the second run resumes the first
+    for committed in ("step-00000020", "step-00000040"):  # the second run resumes the first
         proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         # both ranks say so (their lines may interleave)
         assert proc.stdout.count(f"committed {tmp_path / 'runs' / 'async' / committed}") == 2, proc.stdout
-    assert sorted(p.name for p in (tmp_path / "runs" / "async").iterdir()) == ["step-00000070", "step-00000080"]
+    assert sorted(p.name for p in (tmp_path / "runs" / "async").iterdir()) == ["step-00000035", "step-00000040"]
 
 
 # ---- the process groups of background saves --------------------------------------------
