@@ -76,7 +76,7 @@ def test_batchnorm_is_wrapped_apart_in_full_precision():
     torch.manual_seed(0)
     base = ConvNet()
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    with pytest.warns(UserWarning, match="wrapped on their own with mixed precision disabled"):
+    with pytest.warns(UserWarning, match="wrapped as separate FSDP instacnes with mixed precision disabled"):
         w = FSDP(copy.deepcopy(base), auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), mixed_precision=mp)
     assert isinstance(w.bn, FSDP) and w.bn.mixed_precision.param_dtype is None
     assert len(FSDP.fsdp_modules(w)) == 4  # root, inp, out, bn

@@ -2098,3 +2098,112 @@ def test_compiled_wrapper_trains_like_fsdp1(where):
     assert len(params) == len(pt_params)
     for a, b in zip(params, pt_params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@multi_rank(world_sizes=(2,))
+def test_comm_hooks_and_hybrid_set_up_in_pytorchs_words():
+    """What FSDP1's tests check of register_comm_hook (test_fsdp_comm_hooks),
+    the hybrid strategies' set-up (test_fsdp_hybrid_shard) and the
+    full-precision classes' warning (test_fsdp_mixed_precision): the same
+    exception types, messages their regexes match (two anchored at both
+    ends), the hook's state on every wrapper, and the inter-node group."""
+    import re
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardwise
+    import shardwise.wrap as swrap
+
+    sides = ((tfsdp, twrap, {"device_id": torch.device("cpu")}), (shardwise, swrap, {}))
+
+    def refusals(F, wrap, extra):
+        seen = {}
+
+        def catch(name, fn):
+            with pytest.raises(Exception) as err:
+                fn()
+            seen[name] = err.value
+
+        S = F.ShardingStrategy
+        policy = wrap.ModuleWrapPolicy({Block})
+        for s in (S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2):
+            catch(f"manual {s.name}", lambda: F.FullyShardedDataParallel(_base(), sharding_strategy=s, **extra))
+        catch("one group", lambda: F.FullyShardedDataParallel(
+            _base(), sharding_strategy=S.HYBRID_SHARD, auto_wrap_policy=policy, process_group=dist.group.WORLD,
+            **extra))
+        w = F.FullyShardedDataParallel(_base(), auto_wrap_policy=policy, **extra)
+        w(_x()).sum().backward()
+        catch("nested", lambda: w.blocks[0].register_comm_hook(None, default_hooks.allreduce_hook))
+        catch("not callable", lambda: w.register_comm_hook(None, 3))
+        state = default_hooks.DefaultState(w.process_group)
+        w.register_comm_hook(state, default_hooks.reduce_scatter_hook)
+        seen["states"] = [m._comm_hook_state is state for m in F.FullyShardedDataParallel.fsdp_modules(w)]
+        catch("twice", lambda: w.register_comm_hook(state, default_hooks.reduce_scatter_hook))
+        # With a policy and no groups, the nodes are this host's devices: one
+        # CPU, so one rank a node, the replicas over every rank.
+        h = F.FullyShardedDataParallel(_base(), sharding_strategy=S.HYBRID_SHARD, auto_wrap_policy=policy, **extra)
+        seen["groups"] = [(m.process_group.size(), m._inter_node_pg.size())
+                          for m in F.FullyShardedDataParallel.fsdp_modules(h)]
+        mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
+        m = F.FullyShardedDataParallel(_base(), sharding_strategy=S.HYBRID_SHARD, device_mesh=mesh, **extra)
+        catch("hybrid hook", lambda: m.register_comm_hook(None, default_hooks.allreduce_hook))
+        net = nn.Sequential(Block(), nn.BatchNorm1d(16))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            F.FullyShardedDataParallel(net, auto_wrap_policy=wrap.ModuleWrapPolicy({Block}), mixed_precision=F.MixedPrecision(
+                param_dtype=torch.bfloat16, _module_classes_to_ignore=[nn.BatchNorm1d]), **extra)
+        seen["warning"] = [str(x.message) for x in said if "mixed precision disabled" in str(x.message)]
+        return seen
+
+    theirs, ours = (refusals(*side) for side in sides)
+    assert theirs.keys() == ours.keys()
+    patterns = {  # as FSDP1's tests write them
+        "manual HYBRID_SHARD": "requires explicit specification of process group or device_mesh.",
+        "manual _HYBRID_SHARD_ZERO2": "requires explicit specification of process group or device_mesh.",
+        "one group": "Expected process_group to be passed in",
+        "nested": "^register_comm_hook can only be called on a root instance.$",
+        "not callable": "The communication hook must be callable but got",
+        "twice": "^A communication hook is already registered$",
+        "hybrid hook": "Communication hook is not supported for hybrid strategies",
+    }
+    for name, pattern in patterns.items():
+        assert isinstance(ours[name], type(theirs[name])), (name, type(theirs[name]), type(ours[name]).__mro__)
+        assert re.search(pattern, str(theirs[name])), (name, str(theirs[name]))  # the pattern is PyTorch's
+        assert re.search(pattern, str(ours[name])), (name, str(ours[name]))
+    assert ours["states"] == theirs["states"] == [True] * 3
+    assert ours["groups"] == theirs["groups"] == [(1, 2)] * 3
+    pattern = "These modules will be wrapped as separate FSDP instacnes with mixed precision disabled."
+    assert len(theirs["warning"]) == len(ours["warning"]) == 1 and re.search(pattern, ours["warning"][0]), ours
+
+
+@multi_rank(world_sizes=(2,))
+def test_hybrid_shard_with_a_policy_and_no_groups_trains_over_every_rank():
+    """HYBRID_SHARD with an auto-wrap policy and neither process groups nor a
+    mesh: as FSDP1, a node is this host's devices (on CPU one rank), so the
+    parameters stay whole and the replicas span every rank. The gradients are
+    averaged over them: training matches one model fed every rank's batch.
+    (FSDP1 then switches to NO_SHARD over its one-rank group and leaves the
+    replicas unsynchronised: see test_one_rank_groups.py.)"""
+    import torch.distributed as dist
+
+    import shardwise
+    from shardwise.wrap import ModuleWrapPolicy
+
+    base = _base()
+    ref = copy.deepcopy(base)
+    w = shardwise.FullyShardedDataParallel(copy.deepcopy(base), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                           sharding_strategy=shardwise.ShardingStrategy.HYBRID_SHARD)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (w, ref))
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(dist.get_world_size())]
+    for _ in range(3):
+        w(batches[dist.get_rank()]).square().mean().backward()
+        (sum(ref(x).square().mean() for x in batches) / len(batches)).backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    with shardwise.FullyShardedDataParallel.summon_full_params(w):
+        for (name, p), q in zip(w.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)

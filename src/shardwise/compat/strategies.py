@@ -133,14 +133,25 @@ def _hybrid_from_groups(intra: dist.ProcessGroup, inter: dist.ProcessGroup, devi
     return _cached(("hybrid", id(intra), id(inter), device_type), build)
 
 
-def _hybrid_default(device_type: str) -> DeviceMesh:
+def _devices_per_node(device_type: str) -> int:
+    """As FSDP1: a node holds as many ranks as this host has devices of the
+    type (one on CPU)."""
+    try:
+        return int(torch.get_device_module(device_type).device_count())
+    except (AttributeError, RuntimeError):
+        return 0
+
+
+def _hybrid_default(strategy: ShardingStrategy, device_type: str) -> DeviceMesh:
     world = dist.get_world_size()
-    per_node = torch.cuda.device_count() if device_type == "cuda" else 0
+    per_node = _devices_per_node(device_type)
     if per_node <= 0 or world % per_node:
+        why = f"no {device_type} devices" if per_node <= 0 else (
+            f"{world} ranks are not a multiple of {per_node} devices per node"
+        )
         raise ConfigError(
-            f"sharding_strategy=HYBRID_SHARD needs to know which ranks form a node, and with "
-            f"process_group=None and device_mesh=None on {device_type!r} it cannot "
-            f"({'no CUDA devices' if per_node <= 0 else f'{world} ranks are not a multiple of {per_node} GPUs per node'}). "
+            f"sharding_strategy={strategy.name} needs to know which ranks form a node, and with "
+            f"process_group=None and device_mesh=None on {device_type!r} it cannot ({why}). "
             "Pass device_mesh=init_device_mesh(device_type, (num_nodes, ranks_per_node)) or "
             "process_group=(intra_node_group, inter_node_group)."
         )
@@ -155,6 +166,7 @@ def _mesh_for(
     process_group: object,
     device_mesh: DeviceMesh | None,
     device_type: str,
+    auto_wrap: bool,
 ) -> DeviceMesh:
     hybrid = strategy in HYBRID_STRATEGIES
     if device_mesh is not None:
@@ -190,9 +202,19 @@ def _mesh_for(
         return device_mesh
     if hybrid:
         if process_group is None:
-            return _hybrid_default(device_type)
+            if not auto_wrap:
+                # FSDP1's words: wrappers made one by one could not be sure
+                # to agree on the groups a default would make.
+                raise ConfigError(
+                    f"Manual wrapping with {strategy} requires explicit specification of process group "
+                    "or device_mesh. Pass device_mesh=init_device_mesh(device_type, (num_nodes, "
+                    "ranks_per_node)) or process_group=(intra_node_group, inter_node_group)."
+                )
+            return _hybrid_default(strategy, device_type)
         if not (isinstance(process_group, (tuple, list)) and len(process_group) == 2):
             raise ConfigError(
+                "Expected process_group to be passed in as either None or Tuple[dist.ProcessGroup, "
+                f"dist.ProcessGroup] but got {type(process_group)}: "
                 f"sharding_strategy={strategy.name} with a process_group needs the pair "
                 "(intra_node_group, inter_node_group), got "
                 f"{type(process_group).__name__}. Pass process_group=(intra, inter) or "
@@ -229,14 +251,17 @@ def resolve_strategy(
     process_group: object,
     device_mesh: DeviceMesh | None,
     device_type: str,
+    auto_wrap: bool = False,
 ) -> StrategyPlan:
-    """The engine settings for ``strategy`` over the given groups; see [Note: strategy table]."""
+    """The engine settings for ``strategy`` over the given groups; see [Note: strategy table].
+    ``auto_wrap``: an auto-wrap policy was given (the hybrid strategies may
+    then find the node groups themselves, as FSDP1's)."""
     if not dist.is_initialized():
         raise ConfigError(
             "FullyShardedDataParallel needs torch.distributed to be initialised: call "
             "torch.distributed.init_process_group(...) first."
         )
-    mesh = _mesh_for(strategy, process_group, device_mesh, device_type)
+    mesh = _mesh_for(strategy, process_group, device_mesh, device_type, auto_wrap)
     raf: bool | None = False if strategy in _KEEP_AFTER_FORWARD else None
     if mesh.ndim == 1:
         shard_group, replicate_group = mesh.get_group(0), None

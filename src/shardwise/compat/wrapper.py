@@ -263,7 +263,8 @@ class FullyShardedDataParallel(nn.Module):
             check_policy(auto_wrap_policy, "auto_wrap_policy")
         device = _device_from_id(device_id)
         ignored = resolve_ignored(module, ignored_modules, ignored_states)
-        plan = resolve_strategy(strategy, process_group, device_mesh, default_device_type(device))
+        auto_wrap = auto_wrap_policy is not None
+        plan = resolve_strategy(strategy, process_group, device_mesh, default_device_type(device), auto_wrap)
         if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and plan.shard_group.size() == 1:
             # As FSDP1: one rank has nothing to shard (its words). (FSDP1 also
             # does this for the hybrid strategies with one rank per node, and
@@ -273,7 +274,7 @@ class FullyShardedDataParallel(nn.Module):
                 stacklevel=2,
             )
             strategy = ShardingStrategy.NO_SHARD
-            plan = resolve_strategy(strategy, process_group, device_mesh, default_device_type(device))
+            plan = resolve_strategy(strategy, process_group, device_mesh, default_device_type(device), auto_wrap)
         if strategy == ShardingStrategy.NO_SHARD and dist.get_world_size(plan.replicate_group or plan.shard_group) > 1:
             warnings.warn(  # PyTorch's words
                 "The `NO_SHARD` sharding strategy is deprecated. If having issues, "
@@ -296,7 +297,8 @@ class FullyShardedDataParallel(nn.Module):
                 "limit_all_gathers": limit_all_gathers,
                 "use_orig_params": use_orig_params,
                 "ignored_states": ignored.params or None,
-                "device_mesh": device_mesh,
+                # The hybrid groups this wrapper found, for its nested ones (as FSDP1).
+                "device_mesh": plan.mesh if strategy in HYBRID_STRATEGIES and process_group is None else device_mesh,
             }
             self._auto_wrap(module, auto_wrap_policy, root_kwargs, ignored, mixed_precision)
 
@@ -345,6 +347,8 @@ class FullyShardedDataParallel(nn.Module):
         # after wrapping puts a CheckpointWrapper there), the engine state stays here.
         self.__dict__["_fsdp_unit"] = module
         self._plan: StrategyPlan = plan
+        if strategy in HYBRID_STRATEGIES:
+            self._inter_node_pg = plan.replicate_group  # FSDP1's name for it
         self._ignored = ignored
         self._compute_device = compute_device
         self._mixed_precision = mixed_precision
@@ -357,6 +361,7 @@ class FullyShardedDataParallel(nn.Module):
         # Own buffers' dtypes before MixedPrecision.buffer_dtype (name -> dtype).
         self._buffer_dtypes: dict[str, torch.dtype] = {}
         self._comm_hook: Callable[..., Any] | None = None
+        self._comm_hook_state: object = None
         self._state_dict_settings = StateDictSettings(
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
         )
@@ -387,10 +392,11 @@ class FullyShardedDataParallel(nn.Module):
         if also:
             found = mark_full_precision_modules(module, also, ignored.modules)
             if found:
-                warnings.warn(
-                    "Both mixed precision and an auto_wrap_policy were given, and the model has "
-                    f"submodules of type {sorted(c.__name__ for c in found)}: they are wrapped on "
-                    "their own with mixed precision disabled (MixedPrecision._module_classes_to_ignore).",
+                warnings.warn(  # FSDP1's words, its misspelling included (its tests match them)
+                    "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped "
+                    f"module has submodules of type:\n{set(found)}\nThese modules will be wrapped as separate "
+                    "FSDP instacnes with mixed precision disabled. (MixedPrecision._module_classes_to_ignore: "
+                    "they run in full precision.)",
                     stacklevel=3,
                 )
         for parent, name, m in list(post_order(module)):
@@ -634,12 +640,13 @@ class FullyShardedDataParallel(nn.Module):
         "register_comm_hook": "register_comm_hook can only be called on a root instance.",
     }
 
-    def _require_root(self, what: str, error: type[UsageError] = UsageError) -> None:
+    def _require_root(self, what: str, error: type[UsageError] = UsageError, exact: bool = False) -> None:
         if not self.check_is_root():
-            raise error(
-                f"{self._NOT_ROOT[what]} ({what} must be called on the root FullyShardedDataParallel module, "
-                "the outermost one, not on a nested one.)"
+            ours = "" if exact else (
+                f" ({what} must be called on the root FullyShardedDataParallel module, the outermost one, "
+                "not on a nested one.)"
             )
+            raise error(self._NOT_ROOT[what] + ours)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
@@ -804,20 +811,26 @@ class FullyShardedDataParallel(nn.Module):
             hook: e.g. ``default_hooks.reduce_scatter_hook``,
                 ``fp16_compress_hook`` or ``bf16_compress_hook``.
         """
-        self._require_root("register_comm_hook", CommHookError)
-        if not callable(hook):
-            raise ConfigTypeError(f"The communication hook must be callable, got {type(hook).__name__}.")
+        # FSDP1's words and exception types throughout: its tests match two of
+        # these messages whole (anchored), so nothing of ours follows them.
+        self._require_root("register_comm_hook", CommHookError, exact=True)
         wrappers = _wrappers_under(self)
         for w in wrappers:
             if w._plan.strategy in HYBRID_STRATEGIES:
                 raise CommHookError(
-                    f"communication hooks are not supported for hybrid strategies "
-                    f"({w._plan.strategy.name}), as in PyTorch; use FULL_SHARD or SHARD_GRAD_OP."
+                    f"Communication hook is not supported for hybrid strategies: {w._plan.strategy} "
+                    "(use FULL_SHARD or SHARD_GRAD_OP)."
                 )
             if w._comm_hook is not None:
-                raise CommHookError("A communication hook is already registered; register one hook, once.")
+                raise CommHookError("A communication hook is already registered")
+            if not callable(hook):
+                raise ConfigError(
+                    f"The communication hook must be callable but got {hook!r}: pass a function "
+                    "hook(state, grad, output), e.g. default_hooks.reduce_scatter_hook."
+                )
         for w in wrappers:
             w._comm_hook = hook
+            w._comm_hook_state = state
             group = w._group
             if group is not None:
                 if w._plan.strategy == ShardingStrategy.NO_SHARD:
