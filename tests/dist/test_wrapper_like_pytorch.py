@@ -2207,3 +2207,49 @@ def test_hybrid_shard_with_a_policy_and_no_groups_trains_over_every_rank():
     with shardwise.FullyShardedDataParallel.summon_full_params(w):
         for (name, p), q in zip(w.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@multi_rank(world_sizes=(2,))
+def test_no_shard_state_dicts_are_full_and_containers_warn_like_fsdp1():
+    """FSDP1 saves and loads a NO_SHARD wrapper's tensors as a full state dict
+    whatever the type (plain whole tensors, where a sharded one would hold
+    DTensors), warning before and after each; and it warns at wrapping a
+    container that has no forward (test_fsdp_state_dict, test_wrap)."""
+    import warnings
+
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    def run(F, extra):
+        torch.manual_seed(0)
+        seen = {}
+        m = F.FullyShardedDataParallel(_base(), sharding_strategy=F.ShardingStrategy.NO_SHARD, **extra)
+        m(_x()).sum().backward()
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                with F.FullyShardedDataParallel.state_dict_type(m, getattr(F.StateDictType, kind)):
+                    sd = m.state_dict()
+                    m.load_state_dict({k: v + 1 for k, v in sd.items()})
+            seen[kind] = ({k: (type(v).__name__, tuple(v.shape)) for k, v in sd.items()},
+                          sorted(str(w.message) for w in said if "NO_SHARD" in str(w.message)))
+        with F.FullyShardedDataParallel.summon_full_params(m):
+            seen["loaded"] = [p.detach().clone() for p in m.parameters()]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            F.FullyShardedDataParallel(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]),
+                                       auto_wrap_policy=F.wrap.ModuleWrapPolicy({nn.Linear}), **extra)
+        seen["container"] = [str(w.message).split(":")[0] for w in said if "containers" in str(w.message)]
+        return seen
+
+    import torch.distributed.fsdp.wrap  # noqa: F401  (F.wrap below)
+    import shardwise.wrap  # noqa: F401
+
+    theirs = run(tfsdp, {"device_id": torch.device("cpu")})
+    ours = run(shardwise, {})
+    for key in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT", "container"):
+        assert ours[key] == theirs[key], (key, ours[key], theirs[key])
+    assert len(theirs["SHARDED_STATE_DICT"][1]) == 4 and all(t == "Tensor" for t, _ in theirs["SHARDED_STATE_DICT"][0].values())
+    for a, b in zip(ours["loaded"], theirs["loaded"]):
+        assert torch.equal(a, b)

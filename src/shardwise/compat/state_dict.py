@@ -19,6 +19,10 @@ LOCAL_STATE_DICT        this rank's shard (Tensor)   the same rank's shard
 SHARDED_STATE_DICT      the sharded DTensor          a DTensor of the same sharding
 ======================  ===========================  ==============================
 
+A ``NO_SHARD`` wrapper saves and loads its own tensors as under
+FULL_STATE_DICT (default config) whatever the type says, with FSDP1's
+warning, as FSDP1 does.
+
 Buffers are not sharded; full and sharded dicts hold them in their original
 dtype (before ``MixedPrecision.buffer_dtype``), local ones as they are. To
 load a sharded dict saved under another world size, read it with
@@ -46,6 +50,7 @@ from shardwise.layout import chunk_span, dtensor_like
 
 from .config import (
     CONFIG_FOR_TYPE,
+    FullStateDictConfig,
     OptimStateDictConfig,
     StateDictConfig,
     StateDictSettings,
@@ -53,6 +58,7 @@ from .config import (
     from_pytorch,
 )
 from .managed import CHECKPOINT_WRAPPED, WRAPPED_MODULE, Ignored, OwnTensor, is_wrapper, own_tensors
+from .config import ShardingStrategy
 from .strategies import StrategyPlan
 
 
@@ -267,10 +273,28 @@ def warn_cpu_copies_on_every_rank() -> None:
     )
 
 
+def _kind_and_config(wrapper: WrapperState, loading: bool = False) -> tuple[StateDictType, StateDictConfig]:
+    """The state-dict type and config this wrapper's own tensors go by: a
+    ``NO_SHARD`` wrapper's are whole on every rank, so FSDP1 saves and loads
+    them as a full state dict (with its warning) whatever the type says."""
+    if wrapper._plan.strategy == ShardingStrategy.NO_SHARD:
+        warnings.warn(  # FSDP1's words (its load hooks lack a space)
+            "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"
+            + ("" if loading else " ") + "be returned.",
+            stacklevel=4,
+        )
+        return StateDictType.FULL_STATE_DICT, FullStateDictConfig()
+    settings = wrapper._state_dict_settings
+    return settings.state_dict_type, settings.state_dict_config
+
+
+def _pre_save_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _kind_and_config(cast(WrapperState, module))  # FSDP1 warns before and after saving
+
+
 def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     wrapper = cast(WrapperState, module)
-    settings = wrapper._state_dict_settings
-    kind, cfg = settings.state_dict_type, settings.state_dict_config
+    kind, cfg = _kind_and_config(wrapper)
     if (
         kind == StateDictType.FULL_STATE_DICT
         and cfg.offload_to_cpu
@@ -358,7 +382,7 @@ def _pre_load_hook(
     error_msgs: list[str],
 ) -> None:
     wrapper = cast(WrapperState, module)
-    kind = wrapper._state_dict_settings.state_dict_type
+    kind, _ = _kind_and_config(wrapper, loading=True)
     inner_prefix = prefix + _SEGMENT
     # The post-load hook reports errors under the original names.
     _LOAD_ERRORS[module] = error_msgs
@@ -386,6 +410,8 @@ def _pre_load_hook(
 
 def _post_load_hook(module: nn.Module, incompatible_keys: Any) -> None:
     """Missing / unexpected keys and error messages under the original names."""
+    if cast(WrapperState, module)._plan.strategy == ShardingStrategy.NO_SHARD:
+        _kind_and_config(cast(WrapperState, module), loading=True)  # FSDP1 warns before and after loading
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [clean_name(k) for k in keys]
     errors = _LOAD_ERRORS.pop(module, None)
@@ -395,6 +421,7 @@ def _post_load_hook(module: nn.Module, incompatible_keys: Any) -> None:
 
 def register_state_dict_hooks(wrapper: nn.Module) -> None:
     """Install the save and load hooks on ``wrapper`` (see [Note: state-dict hooks])."""
+    wrapper.register_state_dict_pre_hook(_pre_save_hook)  # type: ignore[no-untyped-call]
     wrapper.register_state_dict_post_hook(_post_save_hook)  # type: ignore[no-untyped-call]
     wrapper.register_load_state_dict_pre_hook(_pre_load_hook)  # type: ignore[no-untyped-call]
     wrapper.register_load_state_dict_post_hook(_post_load_hook)  # type: ignore[no-untyped-call]

@@ -220,6 +220,11 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ConfigTypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}.")
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            warnings.warn(  # FSDP1's words, for any container (refused below if it would lose parameters)
+                f"FSDP will not all-gather parameters for containers that do not implement forward: {module}",
+                stacklevel=2,
+            )
         if is_wrapper(module) and auto_wrap_policy is not None:
             raise ConfigError(
                 "FSDP auto wrapping requires modules to not already have FSDP applied but found "
