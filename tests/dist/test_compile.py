@@ -549,3 +549,44 @@ def test_compiled_autograd_is_refused_before_any_collective(route):
     for p, r in zip(m.parameters(), ref.parameters()):
         dist.all_reduce(r.grad)
         torch.testing.assert_close(p.grad.full_tensor(), r.grad / dist.get_world_size())
+
+
+@multi_rank(world_sizes=(2,))
+def test_export_of_an_unsharded_model_like_pytorch():
+    """``torch.export.export`` of an eval model whose parameters were gathered
+    with ``unshard()`` before any forward: the lazy initialisation then runs
+    under export's tracer, which swaps in fake parameters; they are not taken
+    for the user's replacement of the shards (which gathered anew, and failed
+    under the tracer). As under PyTorch, the program exports and computes
+    what eager does, and the model trains on afterwards as PyTorch's."""
+    import copy
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardwise import fully_shard
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    results = []
+    for shard in (torch_fully_shard, fully_shard):
+        model = copy.deepcopy(base)
+        shard(model[0], reshard_after_forward=False)
+        shard(model, reshard_after_forward=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # over the shards (unshard() registers others)
+        model.eval()
+        model.unshard()
+        model[0].unshard()
+        exported = torch.export.export(model, (x,)).module()
+        with torch.no_grad():
+            out, eager = exported(x), model(x)
+        model.train()
+        model(x).sum().backward()
+        opt.step()
+        results.append((out, eager, [p.full_tensor() for p in model.parameters()]))
+    (t_out, t_eager, t_params), (o_out, o_eager, o_params) = results
+    assert torch.equal(o_out, o_eager) and torch.equal(o_out, t_out) and torch.equal(t_out, t_eager)
+    for a, b in zip(o_params, t_params):
+        assert torch.equal(a, b)

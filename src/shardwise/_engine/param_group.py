@@ -34,10 +34,8 @@ all-reduces are likewise issued async and finished one step later.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any, Generic, TypeVar, cast
@@ -60,27 +58,10 @@ from .prefetch import prefetch_run
 from .settings import GroupSettings
 from .sharded_param import ShardedParam, ShardedState, alloc_storage, free_storage, same_version
 from .sharded_param import step_in_backward_optimizers
-from .trace import log_hook, trace
+from .trace import log_hook, outside_functorch, trace
 
 # The module state type (module_state.ModuleState, which imports this module).
 S = TypeVar("S")
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _outside_functorch(fn: F) -> F:
-    """Run ``fn`` with functorch's transforms suspended when any is active
-    (``torch.func.jvp`` / ``vmap`` through a sharded module, as PyTorch's
-    FSDP does around the same three methods): gathering, copying out and
-    freeing storage work on the real tensors, never on transform wrappers."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._are_functorch_transforms_active():
-            with torch._C._DisableFuncTorch():
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return cast(F, wrapper)
 
 
 class TrainingState(Enum):
@@ -321,7 +302,10 @@ class ParamGroup:
 
     def reset_sharded_params(self) -> None:
         """Re-adopt parameters that ``to_empty`` / ``_apply`` / assign-loading
-        replaced, so the flat buffer is again what the module holds."""
+        replaced, so the flat buffer is again what the module holds; not the
+        fakes ``torch.export`` swaps in while tracing."""
+        if torch.compiler.is_compiling():
+            return
         self.needs_readopt = False
         if all(p.local_is_adopted() for p in self.params):
             # all-gather extension hooks attached to the local shards since
@@ -378,7 +362,7 @@ class ParamGroup:
         """Sharded, with an all-gather issued and not yet waited for."""
         return self._in_flight is not None and self.sharded_state == ShardedState.SHARDED
 
-    @_outside_functorch
+    @outside_functorch
     def unshard(self, async_op: bool = False, full_precision: bool = False) -> None:
         """Issue the all-gather (idempotent: nothing if unsharded or in flight).
         ``full_precision`` gathers every parameter in its own dtype (summon)."""
@@ -524,7 +508,7 @@ class ParamGroup:
             and not coll.communicates(self.settings.all_gather_comm, self.info.shard_group)
         )
 
-    @_outside_functorch
+    @outside_functorch
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather: copy out, register unsharded params."""
         result = self._in_flight
@@ -577,7 +561,7 @@ class ParamGroup:
             p.register_sharded()
         self._registered_unsharded = False
 
-    @_outside_functorch
+    @outside_functorch
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones (idempotent)."""
         if self._in_flight is not None:
@@ -653,7 +637,7 @@ class ParamGroup:
                 local = p.sharded_data.narrow(p.shard_dim, 0, p.layout.local_rows)
                 local.copy_(p.layout.local_chunk(p.unsharded_local()))
 
-    @_outside_functorch
+    @outside_functorch
     @torch.no_grad()
     def _reshard_post_forward(self) -> None:
         """Keep only this rank's chunk over the post-forward subgroup."""

@@ -8,9 +8,11 @@ when the autograd profiler (which ``torch.profiler.profile`` drives) is on.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.profiler import record_function
@@ -18,6 +20,7 @@ from torch.profiler import record_function
 import shardwise.observe as observe
 
 _NOTHING = nullcontext()
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _fsdp_logger() -> logging.Logger:
@@ -73,4 +76,20 @@ class _Both:
         self.first.__exit__(*exc)
 
 
-__all__ = ["log_hook", "trace"]
+def outside_functorch(fn: F) -> F:
+    """Run ``fn`` with functorch's transforms suspended when any is active
+    (``torch.func.jvp`` / ``vmap`` through a sharded module, as PyTorch's
+    FSDP does around the same three methods): gathering, copying out and
+    freeing storage work on the real tensors, never on transform wrappers."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return cast(F, wrapper)
+
+
+__all__ = ["log_hook", "outside_functorch", "trace"]
