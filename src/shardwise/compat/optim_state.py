@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardwise._engine.module_state import states_under
-from shardwise.errors import ConfigError, ConfigTypeError
+from shardwise.errors import ConfigError, ConfigTypeError, UsageError
 from shardwise.layout import dtensor_like
 
 from .config import OptimStateKeyType, StateDictType
@@ -175,6 +175,23 @@ def _fsdp1_order(units: dict[str, int | None]) -> list[str]:
     return [name for name in ordered if units[name] is None] + [n for names in by_unit.values() for n in names]
 
 
+def _rank0_names(names: list[str]) -> list[str]:
+    """Rank 0's names with optimizer state, after checking (a collective, as
+    FSDP1's) that every rank holds state for each of them; FSDP1's words."""
+    lists: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, names)
+    first = set(lists[0] or ())
+    missing = {rank: sorted(first - set(got or ())) for rank, got in enumerate(lists)}
+    if any(missing.values()):
+        raise UsageError(
+            "FSDP currently requires each rank to have at least the optimizer states needed by rank 0's "
+            "optimizer but some ranks are missing some of those states"
+            + "".join(f"\nRank {r} is missing states for the parameters: {m}" for r, m in missing.items() if m)
+            + "\n(build every rank's optimizer over the same parameters.)"
+        )
+    return list(lists[0] or ())
+
+
 def _to_named(
     model: nn.Module,
     optim: torch.optim.Optimizer,
@@ -188,18 +205,27 @@ def _to_named(
     params = _params_of(optim, None, model)
     names = _index_to_name(model, params)
     unit_of = {id(sp.sharded_param): id(s) for s in states_under(model) for g in s.groups for sp in g.params}
-    state: dict[str, Any] = {}
+    index_of: dict[str, int] = {}
     units: dict[str, int | None] = {}
+    for index in osd["state"]:
+        if not isinstance(index, int) or not 0 <= index < len(names):
+            raise ConfigError(
+                f"optimizer state key {index!r} is not an index of the optimizer's {len(names)} "
+                "parameters; pass optim.state_dict() of this optimizer."
+            )
+        index_of[names[index]] = index
+        units[names[index]] = unit_of.get(id(params[index]))
+    # By name, in FSDP1's order (param_groups keep theirs): each rank's
+    # optimizer may list the parameters in its own order. Full tensors are
+    # gathered for rank 0's names, which every rank must hold.
+    order = _fsdp1_order(units)
+    common = set(_rank0_names(order))
+    if kind == StateDictType.FULL_STATE_DICT:
+        order = [name for name in order if name in common]
+    state: dict[str, Any] = {}
     with torch.no_grad():
-        for index in sorted(osd["state"]):  # the same order on every rank: gathers pair up
-            if not isinstance(index, int) or not 0 <= index < len(names):
-                raise ConfigError(
-                    f"optimizer state key {index!r} is not an index of the optimizer's {len(names)} "
-                    "parameters; pass optim.state_dict() of this optimizer."
-                )
-            state[names[index]] = {k: _export(v, kind, offload) for k, v in osd["state"][index].items()}
-            units[names[index]] = unit_of.get(id(params[index]))
-    state = {name: state[name] for name in _fsdp1_order(units)}  # param_groups keep their order
+        for name in order:
+            state[name] = {k: _export(v, kind, offload) for k, v in osd["state"][index_of[name]].items()}
     out: dict[str, Any] = {"state": state}
     if "param_groups" in osd:
         out["param_groups"] = []

@@ -89,6 +89,9 @@ __all__ = [
 ]
 
 _SEGMENT = WRAPPED_MODULE + "."
+# Models whose sharded state dicts ``shardwise.checkpoint`` is reading: their
+# values are the shards themselves, not copies (see _save_value).
+_SHARE_SHARDS: list[nn.Module] = []
 # wrapper -> the error list of the load in progress (see _post_load_hook).
 _LOAD_ERRORS: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
 
@@ -147,14 +150,15 @@ def set_state_dict_type(
     cfg = cfg_cls() if state_dict_config is None else state_dict_config
     optim_cfg = optim_cls() if optim_state_dict_config is None else optim_state_dict_config
     if type(cfg) is not cfg_cls:
-        raise MismatchError(
-            f"state_dict_config for {state_dict_type.name} must be a {cfg_cls.__name__}, got "
-            f"{type(cfg).__name__}; pass {cfg_cls.__name__}(...) or None."
+        raise MismatchError(  # FSDP1's words first (its tests match them)
+            f"Expected state_dict_config of type {cfg_cls} but got {type(cfg)}: state_dict_config for "
+            f"{state_dict_type.name} must be a {cfg_cls.__name__}; pass {cfg_cls.__name__}(...) or None."
         )
     if type(optim_cfg) is not optim_cls:
         raise MismatchError(
-            f"optim_state_dict_config for {state_dict_type.name} must be a {optim_cls.__name__}, "
-            f"got {type(optim_cfg).__name__}; pass {optim_cls.__name__}(...) or None."
+            f"Expected optim_state_dict_config of type {optim_cls} but got {type(optim_cfg)}: "
+            f"optim_state_dict_config for {state_dict_type.name} must be a {optim_cls.__name__}; pass "
+            f"{optim_cls.__name__}(...) or None."
         )
     wrappers = wrappers_under(module)
     if not wrappers:  # as PyTorch's: nothing to set, no previous settings
@@ -203,9 +207,11 @@ def sharded_for_checkpoints(module: nn.Module) -> Iterator[None]:
         return
     prev = settings_of(module)
     set_state_dict_type(module, StateDictType.SHARDED_STATE_DICT)
+    _SHARE_SHARDS.append(module)  # the checkpoint writes them before training goes on: no copy
     try:
         yield
     finally:
+        _SHARE_SHARDS.pop()
         set_state_dict_type(module, prev.state_dict_type, prev.state_dict_config, prev.optim_state_dict_config)
 
 
@@ -245,15 +251,20 @@ def _current(t: OwnTensor) -> torch.Tensor | None:
 def _save_value(
     kind: StateDictType, cfg: StateDictConfig, value: torch.Tensor, orig_dtype: torch.dtype | None
 ) -> torch.Tensor:
+    # As FSDP1: full and sharded values are copies (changing the parameters
+    # afterwards changes no saved value), local ones this rank's shard itself.
     if isinstance(value, DTensor):
+        local = value.to_local()
         if kind == StateDictType.FULL_STATE_DICT:
             value = value.full_tensor()
+            if value.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                value = value.clone()  # one rank's "gather" (NO_SHARD) returns the shard itself
         elif kind == StateDictType.LOCAL_STATE_DICT:
-            value = value.to_local()
-        elif cfg.offload_to_cpu and value.device.type != "cpu":
-            return dtensor_like(value, value.to_local().cpu())
+            value = local
         else:
-            return value
+            if cfg.offload_to_cpu and local.device.type != "cpu":
+                return dtensor_like(value, local.cpu())
+            return value if _SHARE_SHARDS else dtensor_like(value, local.clone())
     if orig_dtype is not None and kind != StateDictType.LOCAL_STATE_DICT and value.dtype != orig_dtype:
         value = value.to(orig_dtype)
     if cfg.offload_to_cpu:

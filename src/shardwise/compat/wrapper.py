@@ -501,6 +501,19 @@ class FullyShardedDataParallel(nn.Module):
         """The ``limit_all_gathers`` argument (the engine always limits)."""
         return self._limit_all_gathers
 
+    # FSDP1's per-wrapper fields for the state-dict settings (its tests read them)
+    @property
+    def _state_dict_type(self) -> StateDictType:
+        return self._state_dict_settings.state_dict_type
+
+    @property
+    def _state_dict_config(self) -> Any:
+        return self._state_dict_settings.state_dict_config
+
+    @property
+    def _optim_state_dict_config(self) -> Any:
+        return self._state_dict_settings.optim_state_dict_config
+
     @property
     def process_group(self) -> dist.ProcessGroup:
         """The group parameters are sharded over (for hybrid strategies, the
