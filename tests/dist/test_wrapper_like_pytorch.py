@@ -2304,6 +2304,11 @@ def test_state_dicts_and_optimizer_state_like_fsdp1():
             full = F.FullyShardedDataParallel.optim_state_dict(m, opt)
             seen[order] = {name: {k: v.clone() for k, v in s.items()} for name, s in full["state"].items()}
         m = F.FullyShardedDataParallel(_base(), auto_wrap_policy=F.wrap.ModuleWrapPolicy({Block}), **extra)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        m(_x()).sum().backward()
+        opt.step()
+        full = F.FullyShardedDataParallel.full_optim_state_dict(m, opt, rank0_only=False)
+        seen["flat keys"] = {name: list(state) for name, state in full["state"].items()}  # (names: another order, kept)
         opt = torch.optim.Adam(list(m.parameters())[: -1 if dist.get_rank() == 1 else None], lr=1e-2)
         m(_x()).sum().backward()
         opt.step()
@@ -2332,6 +2337,7 @@ def test_state_dicts_and_optimizer_state_like_fsdp1():
     for name, state in ours["same"].items():
         for k, v in state.items():
             assert torch.equal(ours["reversed on rank 1"][name][k], v), (name, k)
+    assert ours["flat keys"] == theirs["flat keys"] and theirs["flat keys"]["inp.bias"] == ["exp_avg", "exp_avg_sq", "step"]
     pattern = ("FSDP currently requires each rank to have at least the optimizer states needed by rank 0's "
                "optimizer but some ranks are missing some of those states")
     for key, pattern in (("missing", pattern), ("wrong config", "Expected state_dict_config of type")):

@@ -41,7 +41,7 @@ from shardwise.errors import ConfigError, ConfigTypeError, UsageError
 from shardwise.layout import dtensor_like
 
 from .config import OptimStateKeyType, StateDictType
-from .state_dict import _load_value, clean_fqn, settings_of
+from .state_dict import _load_value, clean_fqn, settings_of, wrappers_under
 
 __all__ = [
     "flatten_sharded_optim_state_dict",
@@ -222,10 +222,18 @@ def _to_named(
     common = set(_rank0_names(order))
     if kind == StateDictType.FULL_STATE_DICT:
         order = [name for name in order if name in common]
+    # FSDP1 lists a flat parameter's states by name (exp_avg, exp_avg_sq, step).
+    flat = {
+        id(sp.sharded_param) for w in wrappers_under(model) if not getattr(w, "_use_orig_params", True)
+        and w._group is not None for sp in w._group.params
+    }
     state: dict[str, Any] = {}
     with torch.no_grad():
         for name in order:
-            state[name] = {k: _export(v, kind, offload) for k, v in osd["state"][index_of[name]].items()}
+            index = index_of[name]
+            entry = osd["state"][index]
+            keys = sorted(entry) if id(params[index]) in flat else list(entry)
+            state[name] = {k: _export(entry[k], kind, offload) for k in keys}
     out: dict[str, Any] = {"state": state}
     if "param_groups" in osd:
         out["param_groups"] = []
