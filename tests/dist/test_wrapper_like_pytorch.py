@@ -1535,7 +1535,7 @@ def test_optimizer_state_dict_order_across_wrappers_like_pytorch(kind):
     torch.manual_seed(0)
     base = Net()
     structure = {}
-    for name, lib, kw in (("sw", shardwise, {}),
+    for name, lib, kw in (("sw", shardwise, {"use_orig_params": True}),
                           ("pt", tfsdp, {"use_orig_params": True, "device_id": torch.device("cpu")})):
         model = copy.deepcopy(base)
         model.b = lib.FullyShardedDataParallel(model.b, **kw)

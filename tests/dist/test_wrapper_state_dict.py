@@ -300,7 +300,8 @@ def test_legacy_optimizer_state_functions():
     full = FSDP.full_optim_state_dict(a, opt_a, rank0_only=False)
     names = [n for n, _ in a.named_parameters()]
     assert list(full["state"]) == sorted(names)  # sorted by name, as FSDP1 (use_orig_params) returns it
-    assert all(list(s) == ["step", "exp_avg", "exp_avg_sq"] for s in full["state"].values())  # the optimizer's
+    # each parameter's states by name, as FSDP1 unflattens a flat parameter's (use_orig_params=False)
+    assert all(list(s) == ["exp_avg", "exp_avg_sq", "step"] for s in full["state"].values())
     assert full["param_groups"][0]["params"] == names  # the groups keep the optimizer's order
 
     # into an unwrapped copy of the model, keyed by index
