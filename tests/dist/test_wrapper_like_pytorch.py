@@ -2344,3 +2344,55 @@ def test_state_dicts_and_optimizer_state_like_fsdp1():
         assert re.search(pattern, str(theirs[key])) and re.search(pattern, str(ours[key])), (key, str(ours[key]))
     assert ours["settings"] == theirs["settings"] == [("SHARDED_STATE_DICT", "ShardedStateDictConfig",
                                                        "ShardedOptimStateDictConfig")] * 3
+
+
+@multi_rank(world_sizes=(2,))
+def test_sharded_optimizer_state_loads_into_another_wrapping_like_fsdp1():
+    """FSDP1's test_flatten_sharded_optim_state_dict_nested: a sharded
+    optimizer state dict saved where one linear was wrapped (its state
+    sharded) and the other not (its state whole) loads where the wrapping is
+    the other way round, through both of FSDP1's functions, and the loaded
+    state is the saved one (it was refused: a whole tensor under
+    SHARDED_STATE_DICT)."""
+    import warnings
+
+    import shardwise
+
+    F = shardwise.FullyShardedDataParallel
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+    def build(wrapped):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 4))
+        m[wrapped] = F(m[wrapped])
+        opt = torch.optim.Adam(m.parameters(), lr=0.01)
+        m(torch.randn(8, 5, generator=torch.Generator().manual_seed(1))).sum().backward()
+        opt.step()
+        return m, opt
+
+    def full_state(m, opt):
+        names = {id(p): n.replace("_fsdp_wrapped_module.", "") for n, p in m.named_parameters()}
+        return {names[id(p)]: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in opt.state[p].items()}
+                for g in opt.param_groups for p in g["params"]}
+
+    saved_m, saved_opt = build(2)
+    want = full_state(saved_m, saved_opt)
+    for api in ("flatten_sharded_optim_state_dict", "optim_state_dict_to_load"):
+        m, opt = build(0)
+        if api == "flatten_sharded_optim_state_dict":
+            osd = F.flatten_sharded_optim_state_dict(F.sharded_optim_state_dict(saved_m, saved_opt), m, opt)
+        else:
+            for model in (saved_m, m):
+                F.set_state_dict_type(model, shardwise.StateDictType.SHARDED_STATE_DICT)
+            osd = F.optim_state_dict_to_load(m, opt, F.optim_state_dict(saved_m, saved_opt))
+        with torch.no_grad():
+            for g in opt.param_groups:  # what load_state_dict replaces: no stale state can pass
+                for p in g["params"]:
+                    for v in opt.state[p].values():
+                        v.zero_()
+        opt.load_state_dict(osd)
+        got = full_state(m, opt)
+        assert got.keys() == want.keys()
+        for name, state in want.items():
+            for k, v in state.items():
+                assert torch.equal(got[name][k], v), (api, name, k)

@@ -316,6 +316,15 @@ def _import(kind: StateDictType, key: str, value: Any, target: torch.Tensor) -> 
         return copy.deepcopy(value)
     if value.dim() == 0:
         return value.clone()
+    if kind == StateDictType.SHARDED_STATE_DICT and value.shape == target.shape:
+        # As FSDP1, across wrappings: a whole tensor (the state of a parameter
+        # no wrapper held where the dict was saved) loads as a full one, and
+        # a sharded one into a parameter no wrapper holds here whole (a
+        # collective: the state's keys come in the same order on every rank).
+        if isinstance(value, DTensor) and not isinstance(target, DTensor):
+            return value.full_tensor().to(target.device)
+        if not isinstance(value, DTensor):
+            kind = StateDictType.FULL_STATE_DICT
     return _load_value(kind, key, value, target).clone()
 
 
