@@ -175,11 +175,12 @@ def _fsdp1_order(units: dict[str, int | None]) -> list[str]:
     return [name for name in ordered if units[name] is None] + [n for names in by_unit.values() for n in names]
 
 
-def _rank0_names(names: list[str]) -> list[str]:
-    """Rank 0's names with optimizer state, after checking (a collective, as
-    FSDP1's) that every rank holds state for each of them; FSDP1's words."""
-    lists: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(lists, names)
+def _rank0_names(names: list[str], group: dist.ProcessGroup | None) -> list[str]:
+    """Rank 0's names with optimizer state, after checking (a collective over
+    ``group``, the default one if None, as FSDP1's) that every rank holds
+    state for each of them; FSDP1's words."""
+    lists: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(lists, names, group=group)
     first = set(lists[0] or ())
     missing = {rank: sorted(first - set(got or ())) for rank, got in enumerate(lists)}
     if any(missing.values()):
@@ -199,6 +200,7 @@ def _to_named(
     kind: StateDictType,
     rank0_only: bool,
     offload: bool,
+    group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
     _check_osd(osd, "optim_state_dict")
     _ensure_sharded(model)
@@ -219,7 +221,7 @@ def _to_named(
     # optimizer may list the parameters in its own order. Full tensors are
     # gathered for rank 0's names, which every rank must hold.
     order = _fsdp1_order(units)
-    common = set(_rank0_names(order))
+    common = set(_rank0_names(order, group))
     if kind == StateDictType.FULL_STATE_DICT:
         order = [name for name in order if name in common]
     # FSDP1 lists a flat parameter's states by name (exp_avg, exp_avg_sq, step).
@@ -260,13 +262,14 @@ def optim_state_dict(
         model: the root module whose parameters ``optim`` steps.
         optim: the optimizer.
         optim_state_dict: the state dict to convert. (Default: ``None``: ``optim.state_dict()``)
-        group: accepted for compatibility; the parameters' own meshes are used. (Default: ``None``)
+        group: the ranks that check they hold the same states (the parameters' own
+            meshes gather them). (Default: ``None``: the default group)
     """
     settings = settings_of(model, "optim_state_dict")
     cfg = settings.optim_state_dict_config
     osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
     return _to_named(
-        model, optim, osd, settings.state_dict_type, getattr(cfg, "rank0_only", False), cfg.offload_to_cpu
+        model, optim, osd, settings.state_dict_type, getattr(cfg, "rank0_only", False), cfg.offload_to_cpu, group
     )
 
 
@@ -285,11 +288,11 @@ def full_optim_state_dict(
         optim: its optimizer.
         optim_input: ignored (deprecated in PyTorch). (Default: ``None``)
         rank0_only: only rank 0 returns the state. (Default: ``True``)
-        group: accepted for compatibility. (Default: ``None``)
+        group: as for :func:`optim_state_dict`. (Default: ``None``)
     """
     _warn_legacy("full_optim_state_dict", "optim_state_dict")
     _warn_optim_input(optim_input)
-    return _to_named(model, optim, optim.state_dict(), StateDictType.FULL_STATE_DICT, rank0_only, True)
+    return _to_named(model, optim, optim.state_dict(), StateDictType.FULL_STATE_DICT, rank0_only, True, group)
 
 
 def sharded_optim_state_dict(
@@ -301,10 +304,10 @@ def sharded_optim_state_dict(
     Args:
         model: the root module.
         optim: its optimizer.
-        group: accepted for compatibility. (Default: ``None``)
+        group: as for :func:`optim_state_dict`. (Default: ``None``)
     """
     _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
-    return _to_named(model, optim, optim.state_dict(), StateDictType.SHARDED_STATE_DICT, False, False)
+    return _to_named(model, optim, optim.state_dict(), StateDictType.SHARDED_STATE_DICT, False, False, group)
 
 
 # ---- back to indices ----------------------------------------------------------------

@@ -52,13 +52,13 @@ from .config import (
     CONFIG_FOR_TYPE,
     FullStateDictConfig,
     OptimStateDictConfig,
+    ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
     StateDictType,
     from_pytorch,
 )
 from .managed import CHECKPOINT_WRAPPED, WRAPPED_MODULE, Ignored, OwnTensor, is_wrapper, own_tensors
-from .config import ShardingStrategy
 from .strategies import StrategyPlan
 
 
@@ -287,7 +287,8 @@ def warn_cpu_copies_on_every_rank() -> None:
 def _kind_and_config(wrapper: WrapperState, loading: bool = False) -> tuple[StateDictType, StateDictConfig]:
     """The state-dict type and config this wrapper's own tensors go by: a
     ``NO_SHARD`` wrapper's are whole on every rank, so FSDP1 saves and loads
-    them as a full state dict (with its warning) whatever the type says."""
+    them as a full state dict (warning, before and after each) whatever the
+    type says."""
     if wrapper._plan.strategy == ShardingStrategy.NO_SHARD:
         warnings.warn(  # FSDP1's words (its load hooks lack a space)
             "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"
@@ -300,7 +301,7 @@ def _kind_and_config(wrapper: WrapperState, loading: bool = False) -> tuple[Stat
 
 
 def _pre_save_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    _kind_and_config(cast(WrapperState, module))  # FSDP1 warns before and after saving
+    _kind_and_config(cast(WrapperState, module))  # only for NO_SHARD's warning
 
 
 def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -421,8 +422,7 @@ def _pre_load_hook(
 
 def _post_load_hook(module: nn.Module, incompatible_keys: Any) -> None:
     """Missing / unexpected keys and error messages under the original names."""
-    if cast(WrapperState, module)._plan.strategy == ShardingStrategy.NO_SHARD:
-        _kind_and_config(cast(WrapperState, module), loading=True)  # FSDP1 warns before and after loading
+    _kind_and_config(cast(WrapperState, module), loading=True)  # only for NO_SHARD's warning
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [clean_name(k) for k in keys]
     errors = _LOAD_ERRORS.pop(module, None)
