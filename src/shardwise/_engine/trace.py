@@ -4,6 +4,9 @@
 when nothing records; a step opens several per group, so with many small
 groups that is a measurable share of the step. ``trace`` opens the range only
 when the autograd profiler (which ``torch.profiler.profile`` drives) is on.
+
+Also the other wrappers the hooks' methods run under: the debug records of
+each hook (``log_hook``) and ``outside_functorch``.
 """
 
 from __future__ import annotations
