@@ -85,6 +85,10 @@ class MeshInfo:
     # Parameters replicated over the 1-D ``mesh`` (``Replicate()`` from
     # shard_placement_fn): a one-rank shard group, gradients all-reduced.
     replicate_only: bool = False
+    # The mesh sharded parameters' DTensors name, where it is not ``mesh``:
+    # the wrapper API's unnamed 2-D mesh (``mesh`` is a named copy of it, for
+    # slicing), so that values stay on the user's own mesh object.
+    spec_mesh: DeviceMesh | None = None
 
     @property
     def shard_mesh(self) -> DeviceMesh:

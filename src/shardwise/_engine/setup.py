@@ -10,6 +10,7 @@ hooks (``ModuleState``).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -106,12 +107,16 @@ def shard_modules(
     offload_policy: OffloadPolicy,
     ignored_params: Any,
     dp_mesh_dims: Any = None,
+    spec_mesh: DeviceMesh | None = None,
 ) -> ModuleState:
     """Shard the parameters of ``modules`` (one ``fully_shard`` call) that no
     nested call owns; return the state whose hooks drive them. Arguments are
     ``fully_shard``'s, their types already checked; ``reshard_after_forward``
-    None is the automatic choice (True, except for the root)."""
+    None is the automatic choice (True, except for the root). ``spec_mesh``:
+    see ``MeshInfo.spec_mesh`` (the wrapper API's)."""
     info = mesh_info(mesh, dp_mesh_dims)
+    if spec_mesh is not None:
+        info = dataclasses.replace(info, spec_mesh=spec_mesh)
     auto = reshard_after_forward is None
     if info.spmd_mesh is not None and isinstance(reshard_after_forward, int) and not isinstance(
         reshard_after_forward, bool

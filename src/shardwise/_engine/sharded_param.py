@@ -21,6 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardwise.observe as observe
+from shardwise.comm import all_gather_tensor
 from shardwise.errors import ConfigError, ConfigTypeError, ExtensionError, UnsupportedError, UsageError
 from shardwise.layout import ShardLayout
 from shardwise.mesh import MeshInfo, join_meshes
@@ -66,7 +67,7 @@ def sharded_spec(
                 "(e.g. from distribute_module / parallelize_module); found a plain tensor. "
                 "Distribute it (Replicate() on the data-parallel dims) first."
             )
-        return info.mesh, info.placements(shard_dim)
+        return info.mesh if info.spec_mesh is None else info.spec_mesh, info.placements(shard_dim)
     split = tp_spec.num_shards_map[shard_dim]
     fsdp: Placement = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
     if info.spmd_mesh is not None:  # dp_mesh_dims: the parameter is on the whole mesh already
@@ -314,6 +315,32 @@ class ShardedParam:
             return self.layout.local_chunk(full)
         chunks = torch.chunk(full, self.layout.num_shards, dim=self.shard_dim)
         return chunks[self.layout.rank] if self.layout.rank < len(chunks) else full.new_empty(0)
+
+    @torch.no_grad()
+    def gather_chunks(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole of what FSDP cuts (the TP-local tensor of a
+        tensor-parallel parameter, else the full one) from ``local``, this
+        rank's unpadded chunk of it (the parameter's, its gradient's or an
+        optimizer state's): gathered over the shard group alone (replicas
+        hold the same chunks; tensor parallelism's dims stay cut). A
+        collective over the shard group."""
+        layout = self.layout
+        padded = local.new_zeros(layout.padded_shape)
+        padded.narrow(layout.dim, 0, local.size(layout.dim)).copy_(local)
+        gathered = local.new_empty((layout.num_shards, *layout.padded_shape))
+        all_gather_tensor(gathered, padded, self.info.shard_group)
+        whole = local.new_empty(self.full_shape)
+        layout.gather_into(whole, gathered)
+        return whole
+
+    def as_unwrapped(self, whole: torch.Tensor) -> torch.Tensor:
+        """``whole`` (what :meth:`gather_chunks` gives) as the module held it
+        before sharding: on the TP mesh with its TP placements for a
+        tensor-parallel parameter (as FSDP1's full state dicts and
+        ``summon_full_params`` show it), else as it is."""
+        if self.tp_spec is None:
+            return whole
+        return make_dtensor(whole, self.tp_spec.mesh, self.tp_spec.placements, self.global_shape)
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's (unpadded) chunk as a DTensor of the global shape

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ConfigError, ConfigTypeError
 
@@ -271,13 +272,16 @@ def sync_module_states(
             _check_same_tensors(tensors, group, comm_device)
             src = dist.get_global_rank(group, 0)
             for value in tensors:
-                buf = value.detach()
+                # a tensor-parallel DTensor: its local piece, over the data-parallel
+                # groups (its peers there hold the same piece), as FSDP1 syncs it
+                local = value.to_local() if isinstance(value, DTensor) else value
+                buf = local.detach()
                 moved = buf.device != comm_device
                 if moved:
                     buf = buf.to(comm_device)
                 dist.broadcast(buf, src=src, group=group)
                 if moved:
-                    value.detach().copy_(buf)
+                    local.detach().copy_(buf)
 
 
 def _check_same_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup, device: torch.device) -> None:

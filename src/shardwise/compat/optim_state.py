@@ -33,15 +33,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardwise._engine.module_state import states_under
+from shardwise._engine.sharded_param import ShardedParam
 from shardwise.errors import ConfigError, ConfigTypeError, UsageError
 from shardwise.layout import dtensor_like
 
 from .config import OptimStateKeyType, StateDictType
-from .state_dict import _load_value, clean_fqn, settings_of, wrappers_under
+from .state_dict import _load_value, check_local_without_mesh, clean_fqn, settings_of, sharded_params, whole, wrappers_under
 
 __all__ = [
     "flatten_sharded_optim_state_dict",
@@ -143,7 +146,7 @@ def _check_osd(osd: object, arg: str) -> dict[str, Any]:
 
 
 # ---- to names ---------------------------------------------------------------------
-def _export(value: Any, kind: StateDictType, offload: bool) -> Any:
+def _export(value: Any, kind: StateDictType, offload: bool, sp: ShardedParam | None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     if value.dim() == 0:
@@ -151,7 +154,7 @@ def _export(value: Any, kind: StateDictType, offload: bool) -> Any:
         return value.detach().clone().cpu() if offload else value.detach().clone()
     if isinstance(value, DTensor):
         if kind == StateDictType.FULL_STATE_DICT:
-            value = value.full_tensor()
+            value = whole(value, sp)  # (a tensor-parallel parameter's stays TP-sharded, as FSDP1's)
         elif kind == StateDictType.LOCAL_STATE_DICT:
             value = value.to_local()
         else:
@@ -159,6 +162,11 @@ def _export(value: Any, kind: StateDictType, offload: bool) -> Any:
                 value = dtensor_like(value, value.to_local().cpu())
             return value
     return value.cpu() if offload else value
+
+
+def _check_local(model: nn.Module, kind: StateDictType) -> None:
+    for w in wrappers_under(model)[:1]:  # FSDP1 checks the first (root) wrapper
+        check_local_without_mesh(w, kind)
 
 
 def _fsdp1_order(units: dict[str, int | None]) -> list[str]:
@@ -229,13 +237,15 @@ def _to_named(
         id(sp.sharded_param) for w in wrappers_under(model) if not getattr(w, "_use_orig_params", True)
         and w._group is not None for sp in w._group.params
     }
+    sps = sharded_params(model)
     state: dict[str, Any] = {}
     with torch.no_grad():
         for name in order:
             index = index_of[name]
             entry = osd["state"][index]
             keys = sorted(entry) if id(params[index]) in flat else list(entry)
-            state[name] = {k: _export(entry[k], kind, offload) for k in keys}
+            sp = sps.get(id(params[index]))
+            state[name] = {k: _export(entry[k], kind, offload, sp) for k in keys}
     out: dict[str, Any] = {"state": state}
     if "param_groups" in osd:
         out["param_groups"] = []
@@ -266,6 +276,7 @@ def optim_state_dict(
             meshes gather them). (Default: ``None``: the default group)
     """
     settings = settings_of(model, "optim_state_dict")
+    _check_local(model, settings.state_dict_type)
     cfg = settings.optim_state_dict_config
     osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
     return _to_named(
@@ -311,7 +322,7 @@ def sharded_optim_state_dict(
 
 
 # ---- back to indices ----------------------------------------------------------------
-def _import(kind: StateDictType, key: str, value: Any, target: torch.Tensor) -> Any:
+def _import(kind: StateDictType, key: str, value: Any, target: torch.Tensor, sp: ShardedParam | None) -> Any:
     """One state value for ``target``'s optimizer slot. Always a copy: the
     optimizer updates its state in place, and must neither write into the
     dict it was given nor share a ``step`` tensor with another optimizer."""
@@ -319,6 +330,8 @@ def _import(kind: StateDictType, key: str, value: Any, target: torch.Tensor) -> 
         return copy.deepcopy(value)
     if value.dim() == 0:
         return value.clone()
+    if isinstance(value, ShardedTensor):
+        return _from_sharded_tensor(key, value, target)
     if kind == StateDictType.SHARDED_STATE_DICT and value.shape == target.shape:
         # As FSDP1, across wrappings: a whole tensor (the state of a parameter
         # no wrapper held where the dict was saved) loads as a full one, and
@@ -328,7 +341,39 @@ def _import(kind: StateDictType, key: str, value: Any, target: torch.Tensor) -> 
             return value.full_tensor().to(target.device)
         if not isinstance(value, DTensor):
             kind = StateDictType.FULL_STATE_DICT
-    return _load_value(kind, key, value, target).clone()
+    return _load_value(kind, key, value, target, sp).clone()
+
+
+def _from_sharded_tensor(key: str, value: ShardedTensor, target: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a ``ShardedTensor`` (what DCP's
+    ``load_sharded_optimizer_state_dict`` gives, cut in chunks of dim 0 as
+    FSDP1's shards are), read from its local shards without communication:
+    a copy laid out as ``target``."""
+    if value.shape != target.shape:
+        raise ConfigError(
+            f"optimizer state {key!r} has shape {tuple(value.shape)}, but its parameter has shape "
+            f"{tuple(target.shape)}; load a state saved from this model."
+        )
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    else:
+        shape, offset = tuple(target.shape), (0,) * target.dim()
+    for shard in value.local_shards():
+        meta = shard.metadata
+        starts, sizes = meta.shard_offsets, meta.shard_sizes
+        if all(s <= o and o + n <= s + m for s, m, o, n in zip(starts, sizes, offset, shape)):
+            piece = shard.tensor
+            for dim, (s, o, n) in enumerate(zip(starts, offset, shape)):
+                piece = piece.narrow(dim, o - s, n)
+            local = piece.to(target.device).clone()
+            return dtensor_like(target, local) if isinstance(target, DTensor) else local
+    raise ConfigError(
+        f"optimizer state {key!r} is a ShardedTensor whose local shards here "
+        f"({[(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in value.local_shards()]}) do not hold "
+        f"this rank's piece of its parameter (offsets {list(offset)}, shape {list(shape)}); load it on the "
+        "same ranks and sharding it was made for, or read it with torch.distributed.checkpoint.load into "
+        "FullyShardedDataParallel.optim_state_dict(model, optim) under SHARDED_STATE_DICT."
+    )
 
 
 def _to_loadable(
@@ -337,6 +382,7 @@ def _to_loadable(
     _check_osd(osd, "optim_state_dict")
     _ensure_sharded(model)
     index = _name_to_index(model, params)
+    sps = sharded_params(model)
     state: dict[int, Any] = {}
     with torch.no_grad():
         for name, entry in osd["state"].items():
@@ -348,7 +394,8 @@ def _to_loadable(
                     "rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model))."
                 )
             target = params[i]
-            state[i] = {k: _import(kind, f"{name}.{k}", v, target) for k, v in entry.items()}
+            sp = sps.get(id(target))
+            state[i] = {k: _import(kind, f"{name}.{k}", v, target, sp) for k, v in entry.items()}
     out: dict[str, Any] = {"state": dict(sorted(state.items()))}  # in the optimizer's order, as its own
     if "param_groups" in osd:
         out["param_groups"] = []
@@ -392,6 +439,7 @@ def optim_state_dict_to_load(
         )
     settings = settings_of(model, "optim_state_dict_to_load")
     kind = settings.state_dict_type
+    _check_local(model, kind)
     osd = optim_state_dict
     if kind == StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False):
         osd = _broadcast_from_rank0(osd, group)

@@ -44,8 +44,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from shardwise._engine.param_group import ParamGroup
+from shardwise._engine.sharded_param import ShardedParam
 from shardwise.checkpoint.state import register_sharded_state_dict
-from shardwise.errors import ConfigError, ConfigTypeError, InconsistentSettingsError, MismatchError
+from shardwise.errors import ConfigError, ConfigTypeError, InconsistentSettingsError, MismatchError, UsageError
 from shardwise.layout import chunk_span, dtensor_like
 
 from .config import (
@@ -73,11 +74,14 @@ class WrapperState(Protocol):
     _buffer_dtypes: dict[str, torch.dtype]
     _state_dict_settings: StateDictSettings
     _plan: StrategyPlan
+    _device_mesh: DeviceMesh | None
 
     @property
     def _group(self) -> ParamGroup | None: ...
 
 __all__ = [
+    "check_local_without_mesh",
+    "chunk_of_whole",
     "clean_fqn",
     "clean_name",
     "get_state_dict_type",
@@ -85,6 +89,8 @@ __all__ = [
     "register_state_dict_hooks",
     "root_wrappers",
     "set_state_dict_type",
+    "sharded_params",
+    "whole",
     "wrappers_under",
 ]
 
@@ -234,6 +240,43 @@ def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placemen
     return out
 
 
+def sharded_params(module: nn.Module) -> dict[int, ShardedParam]:
+    """The wrappers' sharded parameters under ``module``, by the id of their
+    ``DTensor`` (what ``named_parameters()`` and optimizers hold)."""
+    return {id(sp.sharded_param): sp for w in wrappers_under(module) if w._group is not None for sp in w._group.params}
+
+
+def _own_params(wrapper: WrapperState) -> dict[int, ShardedParam]:
+    group = wrapper._group
+    return {} if group is None else {id(sp.sharded_param): sp for sp in group.params}
+
+
+def whole(value: DTensor, sp: ShardedParam | None) -> torch.Tensor:
+    """A wrapper's sharded ``value`` (a parameter, its gradient, an optimizer
+    state) made whole, as FSDP1 shows it: gathered over the shard group
+    only, so a tensor-parallel parameter's is the TP-sharded DTensor its
+    module held before wrapping; any other a plain tensor. A collective."""
+    if sp is None or sp.tp_spec is None:
+        return value.full_tensor()
+    return sp.as_unwrapped(sp.gather_chunks(value.to_local()))
+
+
+def chunk_of_whole(value: torch.Tensor, target: DTensor, sp: ShardedParam | None) -> torch.Tensor:
+    """This rank's piece of ``value``, a whole tensor for ``target`` (what
+    :func:`whole` gives, or a plain tensor of the global shape), as
+    ``target``'s local tensor holds it; a view where it can be."""
+    if sp is None or sp.tp_spec is None:
+        return local_chunk(value, target.device_mesh, target.placements)
+    spec = sp.tp_spec
+    if isinstance(value, DTensor):
+        if tuple(value.placements) != tuple(spec.placements):
+            value = value.redistribute(spec.mesh, spec.placements)
+        tp_local = value.to_local()
+    else:  # a whole tensor: TP's cut first, then FSDP's
+        tp_local = local_chunk(value, spec.mesh, spec.placements)
+    return sp.layout.local_chunk(tp_local)
+
+
 def _like(target: DTensor, local: torch.Tensor) -> DTensor:
     return dtensor_like(target, local.to(target.to_local().device))
 
@@ -249,15 +292,19 @@ def _current(t: OwnTensor) -> torch.Tensor | None:
 
 # ---- saving ----------------------------------------------------------------------
 def _save_value(
-    kind: StateDictType, cfg: StateDictConfig, value: torch.Tensor, orig_dtype: torch.dtype | None
+    kind: StateDictType,
+    cfg: StateDictConfig,
+    value: torch.Tensor,
+    orig_dtype: torch.dtype | None,
+    sp: ShardedParam | None = None,
 ) -> torch.Tensor:
     # As FSDP1: full and sharded values are copies (changing the parameters
     # afterwards changes no saved value), local ones this rank's shard itself.
     if isinstance(value, DTensor):
         local = value.to_local()
         if kind == StateDictType.FULL_STATE_DICT:
-            value = value.full_tensor()
-            if value.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            value = whole(value, sp)
+            if not isinstance(value, DTensor) and value.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
                 value = value.clone()  # one rank's "gather" (NO_SHARD) returns the shard itself
         elif kind == StateDictType.LOCAL_STATE_DICT:
             value = local
@@ -284,11 +331,22 @@ def warn_cpu_copies_on_every_rank() -> None:
     )
 
 
+def check_local_without_mesh(wrapper: WrapperState, kind: StateDictType) -> None:
+    """FSDP1 refuses local state dicts (model and optimizer) of a wrapper
+    built with a ``device_mesh``: its shards are DTensors; its words."""
+    if kind == StateDictType.LOCAL_STATE_DICT and getattr(wrapper, "_device_mesh", None) is not None:
+        raise UsageError(
+            "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with LOCAL_STATE_DICT. "
+            "Please set state_dict_type to SHARDED_STATE_DICT to get DTensor state_dict."
+        )
+
+
 def _kind_and_config(wrapper: WrapperState, loading: bool = False) -> tuple[StateDictType, StateDictConfig]:
     """The state-dict type and config this wrapper's own tensors go by: a
     ``NO_SHARD`` wrapper's are whole on every rank, so FSDP1 saves and loads
     them as a full state dict (warning, before and after each) whatever the
-    type says."""
+    type says. A wrapper given a ``device_mesh`` refuses local ones, as FSDP1's."""
+    check_local_without_mesh(wrapper, wrapper._state_dict_settings.state_dict_type)
     if wrapper._plan.strategy == ShardingStrategy.NO_SHARD:
         warnings.warn(  # FSDP1's words (its load hooks lack a space)
             "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"
@@ -322,6 +380,7 @@ def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
         and not _is_mesh_rank0(wrapper)
     )
     keys = [k for k in state_dict if k.startswith(inner_prefix)]
+    params = _own_params(wrapper) if kind == StateDictType.FULL_STATE_DICT else {}
     # A tied parameter has several names; gather it once.
     converted: dict[int, torch.Tensor] = {}
     with torch.no_grad():
@@ -335,7 +394,7 @@ def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
                     # Buffers get their original dtype back only from a wrapper with
                     # parameters of its own, as FSDP1's hook returns early without.
                     orig = None if t.is_param or wrapper._group is None else wrapper._buffer_dtypes.get(clean_fqn(rest))
-                    converted[source] = _save_value(kind, cfg, value, orig)
+                    converted[source] = _save_value(kind, cfg, value, orig, params.get(source))
                 value = converted[source]
             if not drop:
                 state_dict[prefix + rest] = value
@@ -347,13 +406,16 @@ def _post_save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
 
 
 # ---- loading ---------------------------------------------------------------------
-def _load_value(kind: StateDictType, key: str, value: Any, target: torch.Tensor | None) -> Any:
+def _load_value(
+    kind: StateDictType, key: str, value: Any, target: torch.Tensor | None, sp: ShardedParam | None = None
+) -> Any:
     if not isinstance(target, DTensor) or not isinstance(value, torch.Tensor):
         return value
     if kind == StateDictType.FULL_STATE_DICT:
-        if isinstance(value, DTensor) or value.shape != target.shape:
+        tp = sp is not None and sp.tp_spec is not None
+        if (isinstance(value, DTensor) and not tp) or value.shape != target.shape:
             return value  # a DTensor loads as is; a wrong shape is reported by load_state_dict
-        return _like(target, local_chunk(value, target.device_mesh, target.placements))
+        return _like(target, chunk_of_whole(value, target, sp))
     if kind == StateDictType.LOCAL_STATE_DICT:
         local = target.to_local()
         if isinstance(value, DTensor) or value.shape != local.shape:
@@ -402,6 +464,7 @@ def _pre_load_hook(
     if group is not None:
         group.reshard()  # the targets below must be the sharded parameters
     own = _own_by_key(wrapper)
+    params = _own_params(wrapper)
     keys = [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner_prefix)]
     with torch.no_grad():
         for key in keys:
@@ -409,7 +472,8 @@ def _pre_load_hook(
             rest = key[len(prefix) :]
             t = own.get(clean_fqn(rest))
             if t is not None:
-                value = _load_value(kind, key, value, _current(t))
+                target = _current(t)
+                value = _load_value(kind, key, value, target, params.get(id(target)))
             state_dict[inner_prefix + rest] = value
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:

@@ -53,6 +53,9 @@ class StrategyPlan:
     shard_group: dist.ProcessGroup
     # The group gradients are all-reduced over (HSDP, NO_SHARD), else None.
     replicate_group: dist.ProcessGroup | None
+    # The user's unnamed 2-D mesh, which ``mesh`` names ("replicate",
+    # "shard"): the parameters' DTensors stay on it (FSDP1 keeps the user's).
+    spec_mesh: DeviceMesh | None = None
 
     @property
     def is_sharded(self) -> bool:
@@ -267,4 +270,5 @@ def resolve_strategy(
         shard_group, replicate_group = mesh.get_group(0), None
     else:
         shard_group, replicate_group = mesh.get_group(1), mesh.get_group(0)
-    return StrategyPlan(strategy, mesh, raf, strategy in _KEEP_IN_NO_SYNC, shard_group, replicate_group)
+    spec_mesh = device_mesh if device_mesh is not None and mesh is not device_mesh and mesh.ndim == 2 else None
+    return StrategyPlan(strategy, mesh, raf, strategy in _KEEP_IN_NO_SYNC, shard_group, replicate_group, spec_mesh)

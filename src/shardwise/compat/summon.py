@@ -20,7 +20,7 @@ from shardwise.errors import SummonError, UnsupportedError
 from shardwise.fully_shard import summon_full_params as engine_summon
 
 from .managed import is_wrapper
-from .state_dict import local_chunk, root_wrappers, warn_cpu_copies_on_every_rank, wrappers_under
+from .state_dict import chunk_of_whole, root_wrappers, warn_cpu_copies_on_every_rank, whole, wrappers_under
 from .config import ShardingStrategy
 
 __all__ = ["summon", "check_idle"]
@@ -125,8 +125,8 @@ def _expose(groups: list[ParamGroup], with_grads: bool, offload_to_cpu: bool, wr
                     swapped.append((sp, exposed))
                 grad = sp.sharded_param.grad
                 if with_grads and grad is not None:
-                    whole = grad.full_tensor() if isinstance(grad, DTensor) else grad
-                    exposed.grad = whole.to(exposed.device, exposed.dtype)
+                    full_grad = whole(grad, sp) if isinstance(grad, DTensor) else grad
+                    exposed.grad = full_grad.to(exposed.device, exposed.dtype)
                     graded.append((sp, exposed, exposed.grad))
         yield
     finally:
@@ -138,7 +138,7 @@ def _expose(groups: list[ParamGroup], with_grads: bool, offload_to_cpu: bool, wr
                 with torch.no_grad():
                     if isinstance(grad, DTensor):
                         changed = p.grad.to(grad.device, grad.dtype)
-                        grad._local_tensor.copy_(local_chunk(changed, grad.device_mesh, grad.placements))
+                        grad._local_tensor.copy_(chunk_of_whole(changed, grad, sp))
                     else:
                         grad.copy_(p.grad)
             p.grad = None

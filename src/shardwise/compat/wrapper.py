@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise._engine.module_state import dynamo_disable, state_of
 from shardwise._engine.param_group import ParamGroup, check_trainable_dtypes
@@ -125,12 +126,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _shard_group_of(grad: torch.Tensor) -> dist.ProcessGroup | None:
-    """The group a gradient is sharded over (its first mesh dimension of more
-    than one rank with a Shard placement), or None: held whole here."""
+def _shard_group_of(grad: torch.Tensor, fsdp_dims: int) -> dist.ProcessGroup | None:
+    """The group a gradient is sharded over by its wrapper (the first of its
+    wrapper's ``fsdp_dims`` mesh dimensions, of more than one rank, that
+    shards it), or None: held whole here. The dimensions after them are
+    tensor parallelism's, which FSDP1 does not reduce the norm over."""
     if isinstance(grad, DTensor):
-        for i, pl in enumerate(grad.placements):
-            if isinstance(pl, Shard) and grad.device_mesh.size(i) > 1:
+        for i, pl in enumerate(grad.placements[:fsdp_dims]):
+            if isinstance(pl, (Shard, _StridedShard)) and grad.device_mesh.size(i) > 1:
                 return grad.device_mesh.get_group(i)
     return None
 
@@ -306,6 +309,10 @@ class FullyShardedDataParallel(nn.Module):
                 "device_mesh": plan.mesh if strategy in HYBRID_STRATEGIES and process_group is None else device_mesh,
             }
             self._auto_wrap(module, auto_wrap_policy, root_kwargs, ignored, mixed_precision)
+            if device_mesh is None:  # FSDP1 hands the groups it built to nested wrappers, with no mesh
+                for nested in module.modules():
+                    if is_wrapper(nested):
+                        nested.__dict__["_device_mesh"] = None
 
         compute_device = device or (
             torch.device("cuda", torch.cuda.current_device()) if plan.mesh.device_type == "cuda" else torch.device("cpu")
@@ -336,6 +343,7 @@ class FullyShardedDataParallel(nn.Module):
             mp_policy=to_mp_policy(mixed_precision),
             offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
             ignored_params=ignored.params,
+            spec_mesh=plan.spec_mesh,
         )
         self._fsdp_wrapped_module = module
         # As FSDP1: a parameter the unit holds in several places is registered
@@ -352,6 +360,7 @@ class FullyShardedDataParallel(nn.Module):
         # after wrapping puts a CheckpointWrapper there), the engine state stays here.
         self.__dict__["_fsdp_unit"] = module
         self._plan: StrategyPlan = plan
+        self._device_mesh = device_mesh  # FSDP1's: the mesh the user passed (LOCAL_STATE_DICT refuses one)
         if strategy in HYBRID_STRATEGIES:
             self._inter_node_pg = plan.replicate_group  # FSDP1's name for it
         self._ignored = ignored
@@ -747,11 +756,11 @@ class FullyShardedDataParallel(nn.Module):
             id(self._plan.shard_group): (self._plan.shard_group, [])
         }
         local: list[torch.Tensor] = []
-        for g in (q.grad for unit in managed for q in unit):
+        for g, fsdp_dims in ((q.grad, w._plan.mesh.ndim) for w, unit in zip(wrappers, managed) for q in unit):
             if g is None or not _local(g).numel():
                 continue  # (no elements here: FSDP1 shows no gradient)
             norm = torch.linalg.vector_norm(_local(g).detach(), p, dtype=torch.float32)
-            group = _shard_group_of(g)
+            group = _shard_group_of(g, fsdp_dims)
             if group is None:
                 local.append(norm)
             else:

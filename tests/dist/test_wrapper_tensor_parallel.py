@@ -1,0 +1,291 @@
+"""The wrapper API over tensor-parallel modules, with DCP's sharded optimizer
+reader and HSDP on an unnamed mesh, as PyTorch's FullyShardedDataParallel
+(FSDP1) does them, run side by side on CPU / gloo."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.testing import multi_rank
+
+LOCAL_WITH_MESH = "DeviceMesh is not compatible with LOCAL_STATE_DICT"
+
+
+class TPNet(nn.Module):
+    """PyTorch's FSDP1 + TP test model: two linears split over "tp", one not."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(5, 8)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(8, 4)
+        self.net3 = nn.Linear(4, 12)
+
+    def forward(self, x):
+        return self.net3(self.net2(self.relu(self.net1(x))))
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _split(model, mesh):
+    """``model`` with net1 / net2 split column- / row-wise over "tp" (in place)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(
+        model, mesh["tp"], {"net1": ColwiseParallel(input_layouts=Shard(0)), "net2": RowwiseParallel(output_layouts=Shard(0))}
+    )
+
+
+def _tp_wrappers(base, **kw):
+    """(ours, PyTorch's) FSDP1 over "dp" of a (dp=2, tp=2) mesh, each over
+    its own split copy of ``base``."""
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    mesh = _mesh()
+    ours = shardwise.FullyShardedDataParallel(_split(copy.deepcopy(base), mesh), device_mesh=mesh["dp"], **kw)
+    theirs = tfsdp.FullyShardedDataParallel(
+        _split(copy.deepcopy(base), mesh), device_mesh=mesh["dp"], device_id=torch.device("cpu"), **kw
+    )
+    return ours, theirs, mesh
+
+
+def _describe(value):
+    """What a state-dict value is: type, mesh, placements, local values."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return ("DTensor", value.device_mesh.mesh.tolist(), tuple(value.placements), value.to_local().detach().clone())
+    return (type(value).__name__, None, None, value.detach().clone())
+
+
+def _same(a, b):
+    assert a[:3] == b[:3], (a[:3], b[:3])
+    torch.testing.assert_close(a[3], b[3], rtol=1e-6, atol=1e-6)
+
+
+def _full_state(fsdp_cls, model):
+    from torch.distributed.fsdp import StateDictType as TheirType
+
+    import shardwise
+
+    kind = shardwise.StateDictType.FULL_STATE_DICT if fsdp_cls is shardwise.FullyShardedDataParallel else TheirType.FULL_STATE_DICT
+    with fsdp_cls.state_dict_type(model, kind):
+        return {k: _describe(v) for k, v in model.state_dict().items()}, kind
+
+
+@multi_rank(world_sizes=(4,))
+def test_wrapper_over_tensor_parallel_modules_like_fsdp1():
+    """FULL state dicts keep the TP split (DTensors on the TP mesh) and load
+    back; summon_full_params(with_grads=True) and clip_grad_norm_ give
+    FSDP1's values (the norm, as FSDP1's, over the data-parallel group:
+    before, ranks of one group clipped by different norms); full optimizer
+    state round-trips; local state dicts are refused with a mesh, in FSDP1's
+    words; sync_module_states syncs each TP piece over "dp"."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+    from torch.distributed.tensor import DTensor
+
+    import shardwise
+
+    torch.manual_seed(0)
+    base = TPNet()
+    ours, theirs, mesh = _tp_wrappers(base, use_orig_params=True)
+    Ours, Theirs = shardwise.FullyShardedDataParallel, tfsdp.FullyShardedDataParallel
+    x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(3 + dist.get_rank()))
+    for m in (ours, theirs):
+        m(x).sum().backward()
+
+    def summoned(cls, m):
+        with cls.summon_full_params(m, with_grads=True):
+            return {
+                n.replace("_fsdp_wrapped_module.", ""): (_describe(p), _describe(p.grad))
+                for n, p in m.named_parameters()
+            }
+
+    got, want = summoned(Ours, ours), summoned(Theirs, theirs)
+    assert list(got) == list(want) == ["net1.weight", "net1.bias", "net2.weight", "net2.bias", "net3.weight", "net3.bias"]
+    for name in want:
+        _same(got[name][0], want[name][0])
+        _same(got[name][1], want[name][1])
+    assert got["net1.weight"][1][0] == "DTensor"  # the gradient keeps the TP split
+
+    norms = [float(m.clip_grad_norm_(0.5)) for m in (ours, theirs)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6), norms
+    everyone = [None] * 4
+    dist.all_gather_object(everyone, norms[0])
+    dp_peers = dist.get_process_group_ranks(mesh["dp"].get_group())
+    assert everyone[dp_peers[0]] == everyone[dp_peers[1]], everyone  # one factor per shard group
+    got, want = summoned(Ours, ours), summoned(Theirs, theirs)
+    for name in want:
+        _same(got[name][1], want[name][1])
+
+    # full state dicts: the TP split kept, as FSDP1's; loaded back (its own, and PyTorch's)
+    (ours_sd, kind), (theirs_sd, _) = _full_state(Ours, ours), _full_state(Theirs, theirs)
+    assert list(ours_sd) == list(theirs_sd)
+    for key in theirs_sd:
+        _same(ours_sd[key], theirs_sd[key])
+    assert ours_sd["net1.weight"][:3] == ("DTensor", mesh["tp"].mesh.tolist(), theirs_sd["net1.weight"][2])
+    with Theirs.state_dict_type(theirs, tfsdp.StateDictType.FULL_STATE_DICT):
+        pytorchs = {k: v + 1 for k, v in theirs.state_dict().items()}
+    with Ours.state_dict_type(ours, kind):
+        ours.load_state_dict(pytorchs)
+    with Theirs.state_dict_type(theirs, tfsdp.StateDictType.FULL_STATE_DICT):
+        theirs.load_state_dict(pytorchs)
+    for key, value in _full_state(Theirs, theirs)[0].items():
+        _same(_full_state(Ours, ours)[0][key], value)
+
+    # full optimizer state: FSDP1's structure, and a resume that repeats the run
+    opt = torch.optim.Adam(ours.parameters(), lr=0.1)
+    topt = torch.optim.Adam(theirs.parameters(), lr=0.1)
+    for m, o in ((ours, opt), (theirs, topt)):
+        o.zero_grad()
+        m(x).sum().backward()
+        o.step()
+    with Ours.state_dict_type(ours, kind):
+        osd, msd = Ours.optim_state_dict(ours, opt), ours.state_dict()
+    with Theirs.state_dict_type(theirs, tfsdp.StateDictType.FULL_STATE_DICT):
+        tosd = Theirs.optim_state_dict(theirs, topt)
+    assert list(osd["state"]) == list(tosd["state"])
+    for name, state in tosd["state"].items():
+        assert list(osd["state"][name]) == list(state)
+        for k, v in state.items():
+            assert _describe(osd["state"][name][k])[:3] == _describe(v)[:3], (name, k)
+    again, _, _ = _tp_wrappers(TPNet(), use_orig_params=True)
+    opt2 = torch.optim.Adam(again.parameters(), lr=0.1)
+    with Ours.state_dict_type(again, kind):
+        again.load_state_dict(msd)
+        opt2.load_state_dict(Ours.optim_state_dict_to_load(again, opt2, osd))
+    for m, o in ((ours, opt), (again, opt2)):
+        o.zero_grad()
+        m(x).sum().backward()
+        o.step()
+    for key, value in _full_state(Ours, ours)[0].items():
+        _same(_full_state(Ours, again)[0][key], value)
+
+    # local state dicts of a wrapper given a mesh: refused, in FSDP1's words
+    for cls, m, o in ((Ours, ours, opt), (Theirs, theirs, topt)):
+        local = getattr(type(kind) if cls is Ours else tfsdp.StateDictType, "LOCAL_STATE_DICT")
+        with pytest.raises(RuntimeError, match=LOCAL_WITH_MESH), cls.state_dict_type(m, local):
+            m.state_dict()
+        with pytest.raises(RuntimeError, match=LOCAL_WITH_MESH), cls.state_dict_type(m, local):
+            cls.optim_state_dict(m, o)
+
+    # sync_module_states: each TP piece broadcast over "dp" (PyTorch's needs a GPU there)
+    torch.manual_seed(100 + mesh["dp"].get_local_rank())  # the dp ranks build different models
+    unsynced = TPNet()
+    with pytest.raises(ValueError, match="requires them to be on GPU"):
+        Theirs(_split(copy.deepcopy(unsynced), mesh), device_mesh=mesh["dp"], device_id=torch.device("cpu"),
+               sync_module_states=True)
+    synced = Ours(_split(copy.deepcopy(unsynced), mesh), device_mesh=mesh["dp"], sync_module_states=True,
+                  use_orig_params=True)
+    torch.manual_seed(100)  # dp rank 0's model
+    first = _split(TPNet(), mesh)
+    with Ours.summon_full_params(synced):
+        for (name, p), q in zip(synced.named_parameters(), first.parameters()):
+            local = p.to_local() if isinstance(p, DTensor) else p
+            expected = q.to_local() if isinstance(q, DTensor) else q
+            assert torch.equal(local, expected), name
+
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.net2 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.net2(self.net1(x))
+
+
+@multi_rank(world_sizes=(2,))
+def test_dcps_sharded_optimizer_reader_loads_like_fsdp1():
+    """DCP's ``load_sharded_optimizer_state_dict`` gives ShardedTensors, which
+    FSDP1's ``optim_state_dict_to_load`` takes (PyTorch's test_fsdp_optim_state
+    in DCP's tests); the wrapper refused them (``narrow`` on a ShardedTensor).
+    The resumed runs repeat the uninterrupted ones, and equal FSDP1's."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.fsdp as tfsdp
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+    import shardwise
+
+    torch.manual_seed(0)
+    base = Small()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    where = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    results = {}
+    for lib, cls, kind in (
+        ("ours", shardwise.FullyShardedDataParallel, shardwise.StateDictType.SHARDED_STATE_DICT),
+        ("theirs", tfsdp.FullyShardedDataParallel, tfsdp.StateDictType.SHARDED_STATE_DICT),
+    ):
+        extra = {} if lib == "ours" else {"device_id": torch.device("cpu")}
+        model = cls(copy.deepcopy(base), **extra)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(x).sum().backward()
+        optim.step()
+        cls.set_state_dict_type(model, kind)
+        path = f"{where[0]}/{lib}"
+        dcp.save({"model": model.state_dict(), "optim": cls.optim_state_dict(model, optim)}, checkpoint_id=path)
+        resumed = cls(Small(), **extra)
+        optim2 = torch.optim.Adam(resumed.parameters(), lr=0.1)
+        cls.set_state_dict_type(resumed, kind)
+        state = {"model": resumed.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        resumed.load_state_dict(state["model"])
+        loaded = load_sharded_optimizer_state_dict(
+            model_state_dict=state["model"], optimizer_key="optim", storage_reader=dcp.FileSystemReader(path)
+        )
+        optim2.load_state_dict(cls.optim_state_dict_to_load(resumed, optim2, loaded["optim"]))
+        for m, o in ((model, optim), (resumed, optim2)):
+            o.zero_grad()
+            m(x).sum().backward()
+            o.step()
+        with cls.summon_full_params(model), cls.summon_full_params(resumed):
+            pairs = [(p.detach().clone(), q.detach().clone()) for p, q in zip(model.parameters(), resumed.parameters())]
+        for p, q in pairs:
+            assert torch.equal(p, q), lib
+        results[lib] = [p for p, _ in pairs]
+    for p, q in zip(results["ours"], results["theirs"]):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+@multi_rank(world_sizes=(4,))
+def test_hybrid_shard_on_an_unnamed_mesh_keeps_the_users_mesh():
+    """FSDP1 accepts an unnamed 2-D mesh for HSDP, and its sharded values live
+    on that mesh: PyTorch's HSDP checkpoint test redistributes them onto it.
+    The wrapper's were on a renamed copy ("Cross device mesh comm not
+    supported")."""
+    import torch.distributed.fsdp as tfsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    import shardwise
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(0)
+    base = Small()
+    whole = {}
+    for lib, cls, kinds in (("ours", shardwise.FullyShardedDataParallel, shardwise),
+                            ("theirs", tfsdp.FullyShardedDataParallel, tfsdp)):
+        extra = {} if lib == "ours" else {"device_id": torch.device("cpu")}
+        model = cls(copy.deepcopy(base), device_mesh=mesh, sharding_strategy=kinds.ShardingStrategy.HYBRID_SHARD, **extra)
+        cls.set_state_dict_type(model, kinds.StateDictType.SHARDED_STATE_DICT)
+        value = model.state_dict()["net1.0.weight"]
+        assert value.device_mesh == mesh, (lib, value.device_mesh)
+        whole[lib] = value.redistribute(mesh, (Replicate(), Replicate())).to_local()
+    assert torch.equal(whole["ours"], whole["theirs"]) and torch.equal(whole["ours"], base.net1[0].weight)
