@@ -85,9 +85,11 @@ class MeshInfo:
     # Parameters replicated over the 1-D ``mesh`` (``Replicate()`` from
     # shard_placement_fn): a one-rank shard group, gradients all-reduced.
     replicate_only: bool = False
-    # The mesh sharded parameters' DTensors name, where it is not ``mesh``:
-    # the wrapper API's unnamed 2-D mesh (``mesh`` is a named copy of it, for
-    # slicing), so that values stay on the user's own mesh object.
+    # The mesh the user passed, where the engine's ``mesh`` is another (the
+    # wrapper API's): its unnamed 2-D mesh, of which ``mesh`` is a named copy
+    # for slicing, so that values stay on the user's own mesh object; or the
+    # 1-D mesh of its NO_SHARD, a (replicate, 1) ``mesh`` of its own, which
+    # tensor-parallel parameters' meshes are joined with.
     spec_mesh: DeviceMesh | None = None
 
     @property

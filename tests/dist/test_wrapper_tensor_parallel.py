@@ -53,6 +53,8 @@ def _tp_wrappers(base, **kw):
 
     mesh = _mesh()
     ours = shardwise.FullyShardedDataParallel(_split(copy.deepcopy(base), mesh), device_mesh=mesh["dp"], **kw)
+    if "sharding_strategy" in kw:  # PyTorch's enum for PyTorch's wrapper
+        kw["sharding_strategy"] = tfsdp.ShardingStrategy[kw["sharding_strategy"].name]
     theirs = tfsdp.FullyShardedDataParallel(
         _split(copy.deepcopy(base), mesh), device_mesh=mesh["dp"], device_id=torch.device("cpu"), **kw
     )
@@ -289,3 +291,54 @@ def test_hybrid_shard_on_an_unnamed_mesh_keeps_the_users_mesh():
         assert value.device_mesh == mesh, (lib, value.device_mesh)
         whole[lib] = value.redistribute(mesh, (Replicate(), Replicate())).to_local()
     assert torch.equal(whole["ours"], whole["theirs"]) and torch.equal(whole["ours"], base.net1[0].weight)
+
+
+@multi_rank(world_sizes=(4,))
+def test_wrapper_over_tensor_parallel_no_shard_and_dcp_state_dict_functions():
+    """NO_SHARD over a TP model trains as FSDP1's (it was refused: its
+    (replicate, 1) mesh could not be joined with the TP mesh); DCP's
+    ``set_state_dict`` with full state dicts loads (FSDP1 on a CPU fails
+    there); a rank-0-only full optimizer state of TP parameters is refused
+    by ``scatter_full_optim_state_dict`` on every rank (FSDP1 waits forever)."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    import shardwise
+
+    torch.manual_seed(0)
+    base = TPNet()
+    Ours = shardwise.FullyShardedDataParallel
+    ours, theirs, mesh = _tp_wrappers(base, sharding_strategy=shardwise.ShardingStrategy.NO_SHARD)
+    losses = []
+    for m in (ours, theirs):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            loss = m(x).pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert losses[:3] == losses[3:], losses
+    (ours_sd, _), (theirs_sd, _) = _full_state(Ours, ours), _full_state(tfsdp.FullyShardedDataParallel, theirs)
+    for key in theirs_sd:
+        _same(ours_sd[key], theirs_sd[key])
+
+    model, _, _ = _tp_wrappers(base, use_orig_params=True)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3, 5)).sum().backward()
+    opt.step()
+    options = StateDictOptions(full_state_dict=True)
+    msd, osd = get_state_dict(model, opt, options=options)
+    changed = {k: v + 1 for k, v in msd.items()}
+    expected = {k: v.clone() for k, v in changed.items()}  # (set_state_dict rewrites the dict it is given)
+    set_state_dict(model, opt, model_state_dict=changed, optim_state_dict=osd, options=options)
+    after, _ = get_state_dict(model, opt, options=options)
+    assert list(after) == list(expected)
+    for key, value in expected.items():
+        assert type(after[key]) is torch.Tensor and torch.equal(after[key], value), key
+
+    full = Ours.full_optim_state_dict(model, opt, rank0_only=True)
+    with pytest.raises(ValueError, match="rank0_only=False"):
+        Ours.scatter_full_optim_state_dict(full if dist.get_rank() == 0 else None, model)

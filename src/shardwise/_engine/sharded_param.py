@@ -67,7 +67,8 @@ def sharded_spec(
                 "(e.g. from distribute_module / parallelize_module); found a plain tensor. "
                 "Distribute it (Replicate() on the data-parallel dims) first."
             )
-        return info.mesh if info.spec_mesh is None else info.spec_mesh, info.placements(shard_dim)
+        user = info.spec_mesh
+        return user if user is not None and user.ndim == info.mesh.ndim else info.mesh, info.placements(shard_dim)
     split = tp_spec.num_shards_map[shard_dim]
     fsdp: Placement = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
     if info.spmd_mesh is not None:  # dp_mesh_dims: the parameter is on the whole mesh already
@@ -106,6 +107,10 @@ def sharded_spec(
             f"fully_shard supports parameters on a 1-D or 2-D model-parallel mesh, not "
             f"{tp_spec.placements}."
         )
+    if info.spec_mesh is not None and info.spec_mesh.ndim < info.mesh.ndim:
+        # the wrapper's NO_SHARD over the user's 1-D mesh (the engine's is a
+        # (replicate, 1) mesh of its own): replicated over the user's
+        return join_meshes(info.spec_mesh, tp_spec.mesh), (Replicate(), *tp_spec.placements)
     mesh = join_meshes(info.mesh, tp_spec.mesh)
     dp = (Replicate(), fsdp) if info.replicate_group is not None else (fsdp,)
     return mesh, (*dp, *tp_spec.placements)
@@ -325,6 +330,8 @@ class ShardedParam:
         hold the same chunks; tensor parallelism's dims stay cut). A
         collective over the shard group."""
         layout = self.layout
+        if layout.num_shards == 1:  # (NO_SHARD) this rank holds it whole
+            return local.clone()
         padded = local.new_zeros(layout.padded_shape)
         padded.narrow(layout.dim, 0, local.size(layout.dim)).copy_(local)
         gathered = local.new_empty((layout.num_shards, *layout.padded_shape))

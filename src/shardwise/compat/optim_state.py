@@ -581,12 +581,21 @@ def _broadcast_from_rank0(osd: dict[str, Any] | None, group: Any) -> dict[str, A
     if dist.get_rank() == src:
         leaves, spec = tree_flatten(_check_osd(osd, "full_optim_state_dict (on rank 0)"))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        pieces = sum(isinstance(x, DTensor) for x in tensors)
         box: list[Any] = [
-            tree_unflatten([_TensorSpec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+            tree_unflatten([_TensorSpec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves], spec),
+            pieces,
         ]
     else:
-        box = [None]
+        box = [None, 0]
     dist.broadcast_object_list(box, src=src, group=group)
+    if box[1]:  # every rank learns it, so every rank raises (PyTorch's FSDP1 waits forever here)
+        raise UsageError(
+            f"rank 0's full optimizer state holds {box[1]} DTensors (the state of tensor-parallel "
+            "parameters, kept split over the TP mesh): rank 0's own TP pieces only, so the other TP "
+            "ranks' state is not there to send. Save it with rank0_only=False (each rank keeps its own TP piece) "
+            "and load that on every rank, or use SHARDED_STATE_DICT."
+        )
     skeleton, spec = tree_flatten(box[0])
     out, k = [], 0
     for leaf in skeleton:

@@ -269,6 +269,8 @@ def chunk_of_whole(value: torch.Tensor, target: DTensor, sp: ShardedParam | None
         return local_chunk(value, target.device_mesh, target.placements)
     spec = sp.tp_spec
     if isinstance(value, DTensor):
+        if value.device_mesh == target.device_mesh and tuple(value.placements) == tuple(target.placements):
+            return value.to_local()  # laid out as the parameter already (DCP's set_state_dict does this)
         if tuple(value.placements) != tuple(spec.placements):
             value = value.redistribute(spec.mesh, spec.placements)
         tp_local = value.to_local()

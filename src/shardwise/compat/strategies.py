@@ -53,8 +53,9 @@ class StrategyPlan:
     shard_group: dist.ProcessGroup
     # The group gradients are all-reduced over (HSDP, NO_SHARD), else None.
     replicate_group: dist.ProcessGroup | None
-    # The user's unnamed 2-D mesh, which ``mesh`` names ("replicate",
-    # "shard"): the parameters' DTensors stay on it (FSDP1 keeps the user's).
+    # The mesh the user passed where ``mesh`` is another: an unnamed 2-D one
+    # (``mesh`` names it "replicate", "shard"), or NO_SHARD's 1-D one (``mesh``
+    # is (replicate, 1)); see ``MeshInfo.spec_mesh``.
     spec_mesh: DeviceMesh | None = None
 
     @property
