@@ -281,16 +281,48 @@ def test_hybrid_shard_on_an_unnamed_mesh_keeps_the_users_mesh():
     mesh = init_device_mesh("cpu", (2, 2))
     torch.manual_seed(0)
     base = Small()
-    whole = {}
+    for policy in (None, tfsdp.wrap.ModuleWrapPolicy({nn.Linear})):  # nested wrappers too
+        whole = {}
+        for lib, cls, kinds in (("ours", shardwise.FullyShardedDataParallel, shardwise),
+                                ("theirs", tfsdp.FullyShardedDataParallel, tfsdp)):
+            extra = {} if lib == "ours" else {"device_id": torch.device("cpu")}
+            model = cls(copy.deepcopy(base), device_mesh=mesh, sharding_strategy=kinds.ShardingStrategy.HYBRID_SHARD,
+                        auto_wrap_policy=policy, **extra)
+            cls.set_state_dict_type(model, kinds.StateDictType.SHARDED_STATE_DICT)
+            for key, value in model.state_dict().items():
+                assert value.device_mesh == mesh, (lib, key, value.device_mesh)
+                whole[lib, key] = value.redistribute(mesh, (Replicate(), Replicate())).to_local()
+        for key, value in base.state_dict().items():
+            assert torch.equal(whole["ours", key], whole["theirs", key]) and torch.equal(whole["ours", key], value)
+
+
+@multi_rank(world_sizes=(2,))
+def test_no_shard_on_a_mesh_saves_local_state_dicts_as_full_like_fsdp1():
+    """A NO_SHARD wrapper saves whatever the type as a full state dict, so
+    FSDP1 does not refuse LOCAL_STATE_DICT there, mesh or not (its optimizer
+    state under LOCAL it does refuse, as ours)."""
+    import torch.distributed.fsdp as tfsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardwise
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    base = Small()
+    saved = {}
     for lib, cls, kinds in (("ours", shardwise.FullyShardedDataParallel, shardwise),
                             ("theirs", tfsdp.FullyShardedDataParallel, tfsdp)):
         extra = {} if lib == "ours" else {"device_id": torch.device("cpu")}
-        model = cls(copy.deepcopy(base), device_mesh=mesh, sharding_strategy=kinds.ShardingStrategy.HYBRID_SHARD, **extra)
-        cls.set_state_dict_type(model, kinds.StateDictType.SHARDED_STATE_DICT)
-        value = model.state_dict()["net1.0.weight"]
-        assert value.device_mesh == mesh, (lib, value.device_mesh)
-        whole[lib] = value.redistribute(mesh, (Replicate(), Replicate())).to_local()
-    assert torch.equal(whole["ours"], whole["theirs"]) and torch.equal(whole["ours"], base.net1[0].weight)
+        model = cls(copy.deepcopy(base), device_mesh=mesh, sharding_strategy=kinds.ShardingStrategy.NO_SHARD, **extra)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.warns(UserWarning, match="full_state_dict will"), cls.state_dict_type(model, kinds.StateDictType.LOCAL_STATE_DICT):
+            saved[lib] = model.state_dict()
+            model.load_state_dict(saved[lib])
+            with pytest.raises(RuntimeError, match=LOCAL_WITH_MESH):
+                cls.optim_state_dict(model, optim)
+    assert list(saved["ours"]) == list(saved["theirs"])
+    for key, value in saved["theirs"].items():
+        assert type(saved["ours"][key]) is type(value) and torch.equal(saved["ours"][key], value), key
 
 
 @multi_rank(world_sizes=(4,))

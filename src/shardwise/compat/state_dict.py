@@ -347,8 +347,8 @@ def _kind_and_config(wrapper: WrapperState, loading: bool = False) -> tuple[Stat
     """The state-dict type and config this wrapper's own tensors go by: a
     ``NO_SHARD`` wrapper's are whole on every rank, so FSDP1 saves and loads
     them as a full state dict (warning, before and after each) whatever the
-    type says. A wrapper given a ``device_mesh`` refuses local ones, as FSDP1's."""
-    check_local_without_mesh(wrapper, wrapper._state_dict_settings.state_dict_type)
+    type says. Any other wrapper given a ``device_mesh`` refuses local ones,
+    as FSDP1's."""
     if wrapper._plan.strategy == ShardingStrategy.NO_SHARD:
         warnings.warn(  # FSDP1's words (its load hooks lack a space)
             "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"
@@ -357,6 +357,7 @@ def _kind_and_config(wrapper: WrapperState, loading: bool = False) -> tuple[Stat
         )
         return StateDictType.FULL_STATE_DICT, FullStateDictConfig()
     settings = wrapper._state_dict_settings
+    check_local_without_mesh(wrapper, settings.state_dict_type)
     return settings.state_dict_type, settings.state_dict_config
 
 

@@ -306,7 +306,8 @@ class FullyShardedDataParallel(nn.Module):
                 "use_orig_params": use_orig_params,
                 "ignored_states": ignored.params or None,
                 # The hybrid groups this wrapper found, for its nested ones (as FSDP1).
-                "device_mesh": plan.mesh if strategy in HYBRID_STRATEGIES and process_group is None else device_mesh,
+                "device_mesh": plan.mesh if strategy in HYBRID_STRATEGIES and process_group is None and device_mesh is None
+                else device_mesh,
             }
             self._auto_wrap(module, auto_wrap_policy, root_kwargs, ignored, mixed_precision)
             if device_mesh is None:  # FSDP1 hands the groups it built to nested wrappers, with no mesh
