@@ -68,7 +68,8 @@ def sharded_spec(
                 "Distribute it (Replicate() on the data-parallel dims) first."
             )
         user = info.spec_mesh
-        return user if user is not None and user.ndim == info.mesh.ndim else info.mesh, info.placements(shard_dim)
+        mesh = user if user is not None and user.ndim == info.mesh.ndim else info.mesh
+        return mesh, info.placements(shard_dim)
     split = tp_spec.num_shards_map[shard_dim]
     fsdp: Placement = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
     if info.spmd_mesh is not None:  # dp_mesh_dims: the parameter is on the whole mesh already
