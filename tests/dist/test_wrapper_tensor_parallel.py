@@ -211,13 +211,11 @@ class Small(nn.Module):
 
 
 @multi_rank(world_sizes=(2,))
-def test_dcps_sharded_optimizer_reader_loads_like_fsdp1():
+def test_dcps_sharded_optimizer_reader_loads_like_fsdp1(tmp_path):
     """DCP's ``load_sharded_optimizer_state_dict`` gives ShardedTensors, which
     FSDP1's ``optim_state_dict_to_load`` takes (PyTorch's test_fsdp_optim_state
     in DCP's tests); the wrapper refused them (``narrow`` on a ShardedTensor).
     The resumed runs repeat the uninterrupted ones, and equal FSDP1's."""
-    import tempfile
-
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     import torch.distributed.fsdp as tfsdp
@@ -228,8 +226,6 @@ def test_dcps_sharded_optimizer_reader_loads_like_fsdp1():
     torch.manual_seed(0)
     base = Small()
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
-    where = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(where)
     results = {}
     for lib, cls, kind in (
         ("ours", shardwise.FullyShardedDataParallel, shardwise.StateDictType.SHARDED_STATE_DICT),
@@ -241,7 +237,7 @@ def test_dcps_sharded_optimizer_reader_loads_like_fsdp1():
         model(x).sum().backward()
         optim.step()
         cls.set_state_dict_type(model, kind)
-        path = f"{where[0]}/{lib}"
+        path = str(tmp_path / lib)
         dcp.save({"model": model.state_dict(), "optim": cls.optim_state_dict(model, optim)}, checkpoint_id=path)
         resumed = cls(Small(), **extra)
         optim2 = torch.optim.Adam(resumed.parameters(), lr=0.1)
