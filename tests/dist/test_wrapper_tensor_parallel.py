@@ -75,6 +75,19 @@ def _same(a, b):
     torch.testing.assert_close(a[3], b[3], rtol=1e-6, atol=1e-6)
 
 
+def _libraries():
+    """(name, wrapper class, the module holding its enums and configs, its
+    extra constructor arguments) for ours, then PyTorch's FSDP1 on a CPU."""
+    import torch.distributed.fsdp as tfsdp
+
+    import shardwise
+
+    return (
+        ("ours", shardwise.FullyShardedDataParallel, shardwise, {}),
+        ("theirs", tfsdp.FullyShardedDataParallel, tfsdp, {"device_id": torch.device("cpu")}),
+    )
+
+
 def _full_state(fsdp_cls, model):
     from torch.distributed.fsdp import StateDictType as TheirType
 
@@ -199,7 +212,6 @@ def test_wrapper_over_tensor_parallel_modules_like_fsdp1():
             assert torch.equal(local, expected), name
 
 
-
 class Small(nn.Module):
     def __init__(self):
         super().__init__()
@@ -218,20 +230,14 @@ def test_dcps_sharded_optimizer_reader_loads_like_fsdp1(tmp_path):
     The resumed runs repeat the uninterrupted ones, and equal FSDP1's."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    import torch.distributed.fsdp as tfsdp
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
-
-    import shardwise
 
     torch.manual_seed(0)
     base = Small()
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
     results = {}
-    for lib, cls, kind in (
-        ("ours", shardwise.FullyShardedDataParallel, shardwise.StateDictType.SHARDED_STATE_DICT),
-        ("theirs", tfsdp.FullyShardedDataParallel, tfsdp.StateDictType.SHARDED_STATE_DICT),
-    ):
-        extra = {} if lib == "ours" else {"device_id": torch.device("cpu")}
+    for lib, cls, kinds, extra in _libraries():
+        kind = kinds.StateDictType.SHARDED_STATE_DICT
         model = cls(copy.deepcopy(base), **extra)
         optim = torch.optim.Adam(model.parameters(), lr=0.1)
         model(x).sum().backward()
@@ -272,16 +278,12 @@ def test_hybrid_shard_on_an_unnamed_mesh_keeps_the_users_mesh():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
 
-    import shardwise
-
     mesh = init_device_mesh("cpu", (2, 2))
     torch.manual_seed(0)
     base = Small()
     for policy in (None, tfsdp.wrap.ModuleWrapPolicy({nn.Linear})):  # nested wrappers too
         whole = {}
-        for lib, cls, kinds in (("ours", shardwise.FullyShardedDataParallel, shardwise),
-                                ("theirs", tfsdp.FullyShardedDataParallel, tfsdp)):
-            extra = {} if lib == "ours" else {"device_id": torch.device("cpu")}
+        for lib, cls, kinds, extra in _libraries():
             model = cls(copy.deepcopy(base), device_mesh=mesh, sharding_strategy=kinds.ShardingStrategy.HYBRID_SHARD,
                         auto_wrap_policy=policy, **extra)
             cls.set_state_dict_type(model, kinds.StateDictType.SHARDED_STATE_DICT)
@@ -297,18 +299,13 @@ def test_no_shard_on_a_mesh_saves_local_state_dicts_as_full_like_fsdp1():
     """A NO_SHARD wrapper saves whatever the type as a full state dict, so
     FSDP1 does not refuse LOCAL_STATE_DICT there, mesh or not (its optimizer
     state under LOCAL it does refuse, as ours)."""
-    import torch.distributed.fsdp as tfsdp
     from torch.distributed.device_mesh import init_device_mesh
-
-    import shardwise
 
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
     base = Small()
     saved = {}
-    for lib, cls, kinds in (("ours", shardwise.FullyShardedDataParallel, shardwise),
-                            ("theirs", tfsdp.FullyShardedDataParallel, tfsdp)):
-        extra = {} if lib == "ours" else {"device_id": torch.device("cpu")}
+    for lib, cls, kinds, extra in _libraries():
         model = cls(copy.deepcopy(base), device_mesh=mesh, sharding_strategy=kinds.ShardingStrategy.NO_SHARD, **extra)
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         with pytest.warns(UserWarning, match="full_state_dict will"), cls.state_dict_type(model, kinds.StateDictType.LOCAL_STATE_DICT):
