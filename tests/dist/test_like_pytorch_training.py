@@ -7,7 +7,9 @@ test_like_pytorch_api.py)."""
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import inspect
 
 import pytest
@@ -647,6 +649,118 @@ def test_dataclass_inputs_are_cast():
     got = _raises(Exception, lambda: a(Batch(x.clone())))
     assert (got, a.seen) == ("no error", b.seen)
     torch.testing.assert_close(a(Batch(x.clone())), ob)
+
+
+
+# The containers a block's forward takes and returns are walked by PyTorch's
+# rules ([Note: walking forward containers] in shardwise/_engine/trees.py).
+@dataclass
+class Doubling:
+    x: torch.Tensor
+    scale: float = 1.0
+
+    def __post_init__(self):
+        self.scale *= 2  # so each rebuild of the dataclass shows
+
+
+@dataclass
+class Cached:
+    x: torch.Tensor
+    cache: bool = dataclasses.field(default=False, init=False)
+
+
+class Tagged(dict):
+    pass
+
+
+class Walker(nn.Module):
+    """A head whose block takes, and for "defaultdict-out" returns, odd containers."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.pre = nn.Linear(8, 8)
+        self.blk = _Walked(kind)
+
+    def forward(self, x):
+        h = self.pre(x) if self.kind.endswith("-grad") else x
+        inp = {
+            "defaultdict": lambda: collections.defaultdict(list, x=h),
+            "defaultdict-grad": lambda: collections.defaultdict(list, x=h),
+            "defaultdict-out": lambda: {"x": h},
+            "dataclass": lambda: Doubling(h),
+            "dataclass-grad": lambda: Doubling(h),
+            "subclass-and-set": lambda: (Tagged(x=h), {h}),
+            "init-false": lambda: Cached(h),
+        }[self.kind]()
+        out = self.blk(inp)
+        return out["x"] if isinstance(out, dict) else out
+
+
+class _Walked(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(8, 8)
+        self.seen = []
+
+    def forward(self, inp):
+        if isinstance(inp, tuple):  # (a dict subclass, a set)
+            d, s = inp
+            self.seen.append((type(d).__name__, d["x"].dtype, next(iter(s)).dtype))
+            x = d["x"]
+        elif isinstance(inp, dict):
+            self.seen.append(type(inp).__name__)
+            x = inp["x"]
+        else:
+            self.seen.append(getattr(inp, "scale", None))
+            x = inp.x * getattr(inp, "scale", 1.0)
+        y = self.lin(x)
+        return collections.defaultdict(list, x=y) if self.kind == "defaultdict-out" else y
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@multi_rank(world_sizes=(2,))
+def test_forward_containers_are_walked_like_pytorch(bf16):
+    """A defaultdict going into or out of a block trained under PyTorch and
+    failed here (every dict was rebuilt through its constructor, on every
+    forward); a dataclass's __post_init__ ran a different number of times
+    (PyTorch's cast rebuilds it twice); a dict subclass stayed one under the
+    cast (PyTorch hands a plain dict), a set was not cast, and a field
+    declared init=False was silently reset (PyTorch refuses it). Now the
+    block sees what PyTorch's sees, the losses and gradients are equal, and
+    the one case PyTorch refuses with TypeError (a defaultdict holding a
+    tensor that needs grad, without a cast) trains like the plain-dict run."""
+    kinds = ["defaultdict", "defaultdict-grad", "defaultdict-out", "dataclass", "dataclass-grad", "subclass-and-set",
+             "init-false"]
+    for kind in kinds:
+        runs = {}
+        for name, fs in (("sw", _sw()), ("pt", _pt())):
+            torch.manual_seed(0)
+            m = Walker(kind)
+            kw = {"mp_policy": _mp(param_dtype=torch.bfloat16)[name == "pt"]} if bf16 else {}
+            fs(m.blk, **kw)
+            fs(m, **kw)
+            try:
+                loss = m(_x()).float().pow(2).mean()
+                loss.backward()
+            except (TypeError, ValueError) as e:
+                runs[name] = (type(e), str(e))
+                continue
+            runs[name] = (loss.detach(), m.blk.seen, [p.grad.full_tensor() for p in m.parameters() if p.grad is not None])
+        sw, pt = runs["sw"], runs["pt"]
+        if kind == "defaultdict-grad" and not bf16:
+            assert pt[0] is TypeError and "callable" in pt[1], pt  # PyTorch rebuilds it through its constructor
+            assert not isinstance(sw[0], type), sw  # trained
+            continue
+        if isinstance(pt[0], type):
+            assert sw == pt, (kind, sw, pt)
+            continue
+        assert not isinstance(sw[0], type), (kind, sw)
+        assert torch.equal(sw[0], pt[0]) and sw[1] == pt[1], (kind, sw[:2], pt[:2])
+        assert len(sw[2]) == len(pt[2]) > 0 and all(torch.equal(a, b) for a, b in zip(sw[2], pt[2])), kind
+    if bf16:
+        assert runs["pt"][0] is ValueError  # init=False under the cast: refused as PyTorch does
 
 
 # HSDP on a (2, 1) and a (1, 2) mesh against PyTorch's HSDP.

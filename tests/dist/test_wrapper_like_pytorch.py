@@ -935,6 +935,61 @@ def test_mixed_precision_casts_tensors_inside_dataclass_inputs():
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+
+@multi_rank(world_sizes=(2,))
+def test_outputs_containers_are_rebuilt_like_fsdp1():
+    """FSDP1 rebuilds every wrapper's outputs as it registers its pre-backward
+    hooks (PyTorch's _apply_to_tensors): a dict subclass comes back a plain
+    dict and a dataclass is made again twice (its __post_init__ runs twice);
+    under no_grad nothing is rebuilt. Ours returned the block's own objects."""
+    import dataclasses
+
+    from shardwise.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    class Tagged(dict):
+        pass
+
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+        scale: float = 1.0
+
+        def __post_init__(self):
+            self.scale *= 2
+
+    class Leaf(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return Tagged(y=self.lin(x)), Out(self.lin(x))
+
+    class Top(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.leaf = Leaf()
+
+        def forward(self, x):
+            d, o = self.leaf(x)
+            self.seen.append((type(d).__name__, o.scale))
+            return d["y"] * o.scale
+
+    ours, theirs = _both(ModuleWrapPolicy({Leaf}), TorchPolicy({Leaf}), base=Top())
+    x = torch.randn(3, 8)
+    seen, losses = [], []
+    for m in (ours, theirs):
+        m.module.seen = []
+        loss = m(x).sum()
+        loss.backward()
+        with torch.no_grad():
+            m(x)
+        seen.append(m.module.seen)
+        losses.append(loss.detach())
+    assert seen[0] == seen[1] == [("dict", 8.0), ("Tagged", 2.0)], seen
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
 # A forward inside summon_full_params (nested units, FULL_SHARD): as under
 # PyTorch it runs on the whole parameters (same outputs) and the context exits
 # cleanly (it used to fail: the blocks resharded after their forward). Training

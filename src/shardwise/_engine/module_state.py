@@ -32,7 +32,7 @@ from shardwise.policies import MixedPrecisionPolicy
 
 from .param_group import IterationContext, ParamGroup, TrainingState
 from .trace import log_hook, trace
-from .trees import cast_floats, map_tensors
+from .trees import cast_floats, grad_tensors, map_tensors, replace_grad_tensors
 
 
 # module -> its state. Weak both ways, so that dropping a model frees it, its
@@ -178,18 +178,6 @@ class _PostBackwardTransformable(torch.autograd.Function):
 
     backward = dynamo_disable_static(_PostBackward.__dict__["backward"].fn)
     jvp = staticmethod(_PostBackward.jvp)
-
-
-def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def visit(t: torch.Tensor) -> torch.Tensor:
-        if t.requires_grad:
-            found.append(t)
-        return t
-
-    map_tensors(visit, obj)
-    return found
 
 
 class ModuleState:
@@ -442,7 +430,7 @@ class ModuleState:
         return output
 
     def _register_pre_backward(self, output: Any) -> None:
-        tensors = _tensors_requiring_grad(output)
+        tensors = grad_tensors(output)
         if self.warn_view_outputs:
             for t in tensors:  # once per view, as PyTorch warns
                 if t._base is not None:
@@ -482,12 +470,12 @@ class ModuleState:
                 group.drop_unused_prefetch()
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        inputs = _tensors_requiring_grad((args, kwargs))
+        inputs = grad_tensors((args, kwargs))
         if not inputs:
             return args, kwargs
         fn = _PostBackwardTransformable if torch._C._are_functorch_transforms_active() else _PostBackward
         outs = iter(fn.apply(self, *inputs))  # type: ignore[no-untyped-call]
-        new_args, new_kwargs = map_tensors(lambda t: next(outs) if t.requires_grad else t, (args, kwargs))
+        new_args, new_kwargs = replace_grad_tensors((args, kwargs), outs)
         return new_args, new_kwargs
 
     # ---- backward -------------------------------------------------------------

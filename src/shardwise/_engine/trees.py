@@ -1,34 +1,80 @@
 """Tensors inside the containers a forward takes and returns: the one place
-that walks them (the engine's input casts and device moves, and the wrapper
-API's casts), looking inside tuples, namedtuples, lists, dicts and
-dataclasses as PyTorch's FSDP does (``torch.utils._pytree`` does not open
-dataclasses)."""
+that walks them, with PyTorch's FSDP's rules for each walk
+([Note: walking forward containers]).
+
+[Note: walking forward containers]
+PyTorch's FSDP walks a forward's arguments and outputs three ways, and each
+way treats containers differently; code that passes a ``defaultdict``, a
+dict subclass, a set or a dataclass with a ``__post_init__`` sees the
+difference, so each walk here follows PyTorch's:
+
+- **Casts** (mixed-precision inputs and outputs, both fronts; device moves):
+  :func:`map_tensors`, PyTorch's ``_apply_to_tensors``. It rebuilds every
+  container: a dataclass with ``dataclasses.replace`` twice (once bare, once
+  with every field, so ``__post_init__`` runs twice, and a field declared
+  ``init=False`` is refused with dataclasses' ``ValueError``); an
+  ``OrderedDict`` (a Hugging Face ``ModelOutput`` too) as its own class; any
+  other dict as a plain ``dict``; namedtuples, lists, tuples and sets as
+  their own type. Two departures, each where PyTorch fails and the model
+  then runs: a dataclass *class* passed as an argument is left alone
+  (PyTorch calls ``replace`` on it), and a ``PackedSequence`` is cast like
+  the namedtuple it is (PyTorch casts a throwaway copy, and an LSTM with
+  low-precision weights then refuses the full-precision data).
+- **Finding the tensors that need autograd hooks** (inputs for the
+  post-backward, outputs for the pre-backward): :func:`grad_tensors`, which
+  rebuilds nothing. It opens namedtuples, dataclasses (every field), dicts,
+  lists and tuples, not sets.
+- **Putting the inputs' autograd-tracked replacements back**:
+  :func:`replace_grad_tensors`, the same order, rebuilding only a container
+  whose contents changed; a dict subclass through its constructor, falling
+  back to a shallow copy where the constructor takes no mapping (a
+  ``defaultdict``, which PyTorch refuses with ``TypeError``).
+"""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["cast_floats", "map_tensors"]
+__all__ = ["cast_floats", "grad_tensors", "map_tensors", "replace_grad_tensors"]
+
+# PyTorch's limit, so a container that holds itself is an error, not a RecursionError.
+_MAX_DEPTH = 128
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """Apply ``fn`` to every tensor in ``obj``, looking inside tuples,
-    namedtuples, lists, dicts and dataclasses (as PyTorch's FSDP does)."""
+    """``obj`` rebuilt with ``fn`` applied to every tensor in it, by PyTorch's
+    rules for casts ([Note: walking forward containers])."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(fn, x) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(fn, x) for x in obj)
+    if _is_dataclass_instance(obj):
+        fresh = dataclasses.replace(obj)
+        changes = {f.name: map_tensors(fn, getattr(fresh, f.name)) for f in dataclasses.fields(fresh)}
+        return dataclasses.replace(fresh, **changes)
+    if isinstance(obj, OrderedDict):
+        rebuilt = obj.__class__()
+        for key, value in obj.items():
+            rebuilt[key] = map_tensors(fn, value)
+        return rebuilt
     if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
+        return {key: map_tensors(fn, value) for key, value in obj.items()}
+    if _is_namedtuple(obj):
+        return type(obj)(*(map_tensors(fn, x) for x in obj))
+    if isinstance(obj, (list, tuple, set)):
+        return type(obj)(map_tensors(fn, x) for x in obj)
     return obj
 
 
@@ -41,3 +87,91 @@ def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return map_tensors(cast, tree)
+
+
+def _too_deep(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} exceeded max depth ({_MAX_DEPTH}), likely due to a circular reference in the output structure"
+    )
+
+
+def grad_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` that require grad, in the order
+    :func:`replace_grad_tensors` consumes them; nothing is rebuilt."""
+    found: list[torch.Tensor] = []
+
+    def visit(x: Any, depth: int) -> None:
+        if depth >= _MAX_DEPTH:
+            raise _too_deep("collect_grad_tensors")
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                found.append(x)
+        elif _is_namedtuple(x):
+            for item in x:
+                visit(item, depth + 1)
+        elif _is_dataclass_instance(x):
+            for f in dataclasses.fields(x):
+                visit(getattr(x, f.name), depth + 1)
+        elif isinstance(x, dict):
+            for value in x.values():
+                visit(value, depth + 1)
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                visit(item, depth + 1)
+
+    visit(obj, 0)
+    return found
+
+
+def replace_grad_tensors(obj: Any, replacements: Iterator[torch.Tensor]) -> Any:
+    """``obj`` with each tensor that requires grad replaced by the next of
+    ``replacements`` (in :func:`grad_tensors`' order); a container is rebuilt
+    only if something inside it was replaced."""
+
+    def put(x: Any, depth: int) -> Any:
+        if depth >= _MAX_DEPTH:
+            raise _too_deep("replace_grad_tensors")
+        if isinstance(x, torch.Tensor):
+            return next(replacements) if x.requires_grad else x
+        if _is_namedtuple(x):
+            items = [put(item, depth + 1) for item in x]
+            return type(x)(*items) if any(a is not b for a, b in zip(items, x)) else x
+        if _is_dataclass_instance(x):
+            changes = {}
+            for f in dataclasses.fields(x):
+                old = getattr(x, f.name)
+                new = put(old, depth + 1)
+                if new is not old:
+                    changes[f.name] = new
+            if not changes:
+                return x
+            try:
+                return dataclasses.replace(x, **changes)
+            except TypeError as e:
+                raise TypeError(
+                    f"Failed to reconstruct dataclass {type(x).__qualname__} via dataclasses.replace(). "
+                    f"Dataclasses used as FSDP module inputs/outputs must support dataclasses.replace(): {e}"
+                ) from None
+        if isinstance(x, dict):
+            pairs = {key: put(value, depth + 1) for key, value in x.items()}
+            if all(pairs[key] is value for key, value in x.items()):
+                return x
+            if type(x) is dict:
+                return pairs
+            try:
+                return type(x)(pairs)
+            except TypeError:  # a constructor that takes no mapping first (defaultdict)
+                rebuilt = copy.copy(x)
+                rebuilt.update(pairs)
+                return rebuilt
+        if isinstance(x, (list, tuple)):
+            items = [put(item, depth + 1) for item in x]
+            if all(a is b for a, b in zip(items, x)):
+                return x
+            try:
+                return type(x)(items)
+            except TypeError:  # a subclass with its own constructor
+                return list(items) if isinstance(x, list) else tuple(items)
+        return x
+
+    return put(obj, 0)

@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardwise._engine.module_state import dynamo_disable, state_of
 from shardwise._engine.param_group import ParamGroup, check_trainable_dtypes
 from shardwise._engine.setup import shard_modules
-from shardwise._engine.trees import cast_floats
+from shardwise._engine.trees import cast_floats, map_tensors
 from shardwise.errors import CommHookError, ConfigError, ConfigTypeError, UsageError
 from shardwise.policies import CPUOffloadPolicy, OffloadPolicy
 from shardwise.wrap import check_not_sharded, check_policy, plan_wrapping, post_order
@@ -124,6 +124,10 @@ def _wrappers_under(module: nn.Module) -> list[FullyShardedDataParallel]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _shard_group_of(grad: torch.Tensor, fsdp_dims: int) -> dist.ProcessGroup | None:
@@ -653,7 +657,13 @@ class FullyShardedDataParallel(nn.Module):
         )
         if mp is not None and mp.param_dtype is not None and cast:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-        return self._fsdp_wrapped_module(*args, **kwargs)
+        output = self._fsdp_wrapped_module(*args, **kwargs)
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            # FSDP1's post-forward rebuilds the outputs' containers as it
+            # registers its pre-backward hooks ([Note: walking forward containers]);
+            # not in a forward recomputed in backward, where it returns early.
+            output = map_tensors(_same, output)
+        return output
 
     def check_is_root(self) -> bool:
         """Whether this is the root wrapper (decided at the first forward, or now)."""
