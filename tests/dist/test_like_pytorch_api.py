@@ -1016,6 +1016,46 @@ def test_forward_mode_jvp_through_a_sharded_module():
     torch.testing.assert_close(got["shardwise"], got["torch"])
 
 
+
+# A forward run under torch.func.jvp whose primal output is then backwarded
+# by ordinary autograd: inside the transform that output reports
+# requires_grad=False, so no tensor hook could gather the resharded
+# parameters for the outer backward ("setStorage ... storage of size 0").
+# As PyTorch does, such outputs go through an identity whose backward runs the
+# pre-backward; the gradients are the unsharded model's, averaged.
+@multi_rank(world_sizes=(2,))
+def test_outer_backward_through_a_jvp_forward():
+    import torch.distributed as dist
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    t = torch.ones_like(x)
+    ref = make()
+    primal, tangent = torch.func.jvp(ref, (x,), (t,))
+    (primal.pow(2).sum() + tangent.sum()).backward()
+    expected = []
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        expected.append(p.grad / dist.get_world_size())
+    got = {}
+    for name, fs in (("torch", _pt()), ("shardwise", _sw())):
+        m = make()
+        for i in (0, 2, 4):
+            fs(m[i])
+        fs(m)
+        for _ in range(2):  # the second backward finds every group resharded again
+            for p in m.parameters():
+                p.grad = None
+            primal, tangent = torch.func.jvp(m, (x,), (t,))
+            (primal.pow(2).sum() + tangent.sum()).backward()
+        got[name] = [p.grad.full_tensor() for p in m.parameters()]
+    for a, b, e in zip(got["shardwise"], got["torch"], expected):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, e)
+
 # Errors PyTorch's own tests match by message: ours start with PyTorch's words
 # (same exception class), then say how to fix the call.
 @multi_rank(world_sizes=(2,))

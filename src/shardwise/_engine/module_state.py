@@ -180,6 +180,35 @@ class _PostBackwardTransformable(torch.autograd.Function):
     jvp = staticmethod(_PostBackward.jvp)
 
 
+class _PreBackwardTransformable(torch.autograd.Function):
+    """Identity on one floating output of a group's forward run under a
+    functorch transform (``torch.func.jvp``, ``vmap``), whose backward runs the
+    group's pre-backward. Inside a transform an output that outer autograd
+    tracks can report ``requires_grad=False``, so no tensor hook would be
+    registered on it and the outer backward would find the parameters
+    resharded (PyTorch's FSDP applies the same identity there)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(state: ModuleState, output: torch.Tensor) -> torch.Tensor:
+        return output
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.state = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        ctx.state._pre_backward_hook(grad)
+        return None, grad
+
+    @staticmethod
+    def jvp(ctx: Any, _state_tangent: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
+        # the tangent keeps the pre-backward on its own backward path
+        return None if tangent is None else _PreBackwardTransformable.apply(ctx.state, tangent)  # type: ignore[no-untyped-call]
+
+
 class ModuleState:
     """Hooks and lifecycle for the module(s) of one ``fully_shard`` call."""
 
@@ -369,7 +398,7 @@ class ModuleState:
             if self.mp.output_dtype is not None:
                 output = cast_floats(output, self.mp.output_dtype)
             if not recompute and torch.is_grad_enabled():
-                self._register_pre_backward(output)
+                output = self._register_pre_backward(output)
             return output
         return self.post_forward(output)
 
@@ -406,9 +435,9 @@ class ModuleState:
             if self.mp.output_dtype is not None:
                 output = cast_floats(output, self.mp.output_dtype)
             if torch.is_grad_enabled():
-                self._register_pre_backward(output)
+                output = self._register_pre_backward(output)
             if self.is_root:
-                self._root_post_forward(output)
+                output = self._root_post_forward(output)
         return output
 
     # register_fsdp_forward_method's hooks around another method (generate):
@@ -429,7 +458,7 @@ class ModuleState:
             group.reshard()
         return output
 
-    def _register_pre_backward(self, output: Any) -> None:
+    def _register_pre_backward(self, output: Any) -> Any:
         tensors = grad_tensors(output)
         if self.warn_view_outputs:
             for t in tensors:  # once per view, as PyTorch warns
@@ -437,6 +466,14 @@ class ModuleState:
                     self._warn_view_output()
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+        if torch._C._are_functorch_transforms_active():
+            return map_tensors(self._through_pre_backward, output)
+        return output
+
+    def _through_pre_backward(self, t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad or not (t.is_floating_point() or t.is_complex()):
+            return t
+        return _PreBackwardTransformable.apply(self, t)  # type: ignore[no-any-return, no-untyped-call]
 
     def _warn_view_output(self) -> None:
         names = ", ".join(type(m).__name__ for m in self.modules) or "?"
@@ -454,7 +491,7 @@ class ModuleState:
             return x.to(self.device, non_blocking=True)
         return x
 
-    def _root_post_forward(self, output: Any) -> None:
+    def _root_post_forward(self, output: Any) -> Any:
         ctx = self.ctx
         ctx.freeze_forward_order()
         for state in ctx.states:
@@ -465,9 +502,10 @@ class ModuleState:
                 for group in state.groups:
                     group.post_forward()
                 if torch.is_grad_enabled():
-                    state._register_pre_backward(output)
+                    output = state._register_pre_backward(output)
             for group in state.groups:
                 group.drop_unused_prefetch()
+        return output
 
     def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         inputs = grad_tensors((args, kwargs))
