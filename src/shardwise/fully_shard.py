@@ -192,15 +192,16 @@ class FSDPModule:
         after this module's own, in pre-backward. Replaces the implicit order."""
         _set_prefetch(self, modules, "backward_prefetch")
 
-    def set_gradient_divide_factor(self, factor: float) -> None:
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
         """Divide this module's reduced gradients by ``factor`` instead of the
-        data-parallel size (this module only, not the ones below it)."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-            raise ConfigError(f"gradient divide factor must be a positive number, got {factor!r}.")
+        data-parallel size (this module only, not the ones below it); ``None``
+        restores the default, as under PyTorch."""
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+            raise ConfigError(f"gradient divide factor must be a positive number or None, got {factor!r}.")
         for group in self._groups(recurse=False):  # this module only, as PyTorch
-            group.settings.gradient_divide_factor = float(factor)
+            group.settings.gradient_divide_factor = None if factor is None else float(factor)
 
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+    def set_reduce_scatter_divide_factor(self, factor: float | None) -> None:
         """Old name of :meth:`set_gradient_divide_factor` (warns, as PyTorch does)."""
         warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
@@ -288,14 +289,15 @@ class FSDPModule:
         divides afterwards, so this changes nothing."""
 
     def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
+        self, hook: Callable[[torch.Tensor], None] | None, *, stream: torch.cuda.Stream | None = None
     ) -> None:
         """Call ``hook`` on the reduced gradient buffer (after the reduce-scatter,
         or after HSDP's all-reduce) in place, before gradients are installed —
-        e.g. to all-reduce over another mesh dimension. ``stream`` is accepted for
-        compatibility; the hook runs on the current stream."""
-        if not callable(hook):
-            raise ConfigTypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}.")
+        e.g. to all-reduce over another mesh dimension; ``None`` removes it, as
+        under PyTorch. ``stream`` is accepted for compatibility; the hook runs
+        on the current stream."""
+        if hook is not None and not callable(hook):
+            raise ConfigTypeError(f"set_all_reduce_hook expects a callable or None, got {type(hook).__name__}.")
         groups = list(self._groups(recurse=False))
         if len(groups) > 1:
             raise ConfigError(

@@ -1056,6 +1056,43 @@ def test_outer_backward_through_a_jvp_forward():
         assert torch.equal(a, b)
         torch.testing.assert_close(a, e)
 
+
+# None given to set_all_reduce_hook or set_gradient_divide_factor is PyTorch's
+# default, so it removes the hook and restores the averaging; both were
+# refused here, leaving the old hook or factor in place.
+@multi_rank(world_sizes=(2,))
+def test_setters_take_none_back_to_the_default_like_pytorch():
+    import torch.distributed as dist
+
+    got = {}
+    for name, fs in (("torch", _pt()), ("shardwise", _sw())):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        fs(m)
+        m.set_force_sum_reduction_for_comms(True)  # PyTorch's custom factor needs it on gloo
+        calls, grads = [], []
+
+        def hook(g, calls=calls):
+            calls.append(1)
+            g.mul_(3)
+
+        settings = [
+            lambda: m.set_all_reduce_hook(hook),
+            lambda: m.set_all_reduce_hook(None),
+            lambda: m.set_gradient_divide_factor(4.0),
+            lambda: m.set_gradient_divide_factor(None),
+        ]
+        for step, setting in enumerate(settings):
+            setting()
+            m.zero_grad()
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            m(x).sum().backward()
+            grads.append([p.grad.full_tensor() for p in m.parameters()])
+        got[name] = (len(calls), grads)
+    assert got["shardwise"][0] == got["torch"][0] == 1
+    for ours, theirs in zip(got["shardwise"][1], got["torch"][1]):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
 # Errors PyTorch's own tests match by message: ours start with PyTorch's words
 # (same exception class), then say how to fix the call.
 @multi_rank(world_sizes=(2,))
