@@ -554,3 +554,55 @@ def test_group_parameters_in_pytorchs_order():
             assert torch.equal(a, b), (step, n, (a - b).abs().max())
     for a, b in zip(got["shardwise"][1], got["torch"][1]):
         assert torch.equal(a, b)
+
+
+class _Reused(nn.Module):
+    """A block called ``calls`` times in one forward, each call under
+    reentrant activation checkpointing."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+        self.inp = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for _ in range(self.calls):
+            h = h + checkpoint(self.block, h, use_reentrant=True)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@multi_rank(world_sizes=(2,))
+def test_a_block_called_twice_under_reentrant_checkpointing_trains_like_unsharded(reshard):
+    """Each call's recomputation runs inside the backward; the block must be
+    gathered for each and reduced once, after both. (PyTorch 2.13's
+    fully_shard gets this block's gradients wrong and leaves its parameters
+    unsharded after the backward; shardwise matches the unsharded model.)"""
+    from torch.distributed.tensor import DTensor
+
+    from shardwise import fully_shard
+
+    torch.manual_seed(0)
+    model = _Reused(calls=2)
+    ref = copy.deepcopy(model)
+    fully_shard(model.block, reshard_after_forward=reshard)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        model(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        replicate_grads(ref)
+        assert all(isinstance(p, DTensor) for p in model.block.parameters())  # resharded after backward
+        assert_models_match(model, ref, msg=f"step {step}")
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    assert_models_match(model, ref, check_grads=False)
