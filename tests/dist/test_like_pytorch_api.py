@@ -997,6 +997,52 @@ def test_replaced_collectives_are_called_like_torch():
     torch.testing.assert_close(got["shardwise"][1], got["torch"][1])
 
 
+
+# PyTorch's own FSDP test utilities (torch.testing._internal.common_fsdp, which
+# needs expecttest, now in the test extras) driving shardwise as its tests
+# drive fully_shard: their model, their parity check against a replicated
+# model, their collective patch.
+@multi_rank(world_sizes=(2,))
+def test_pytorchs_fsdp_test_utilities_drive_shardwise():
+    from torch.testing._internal.common_fsdp import MLPStack, check_sharded_parity, patch_all_gather
+    from torch.testing._internal.common_utils import TestCase
+
+    torch.manual_seed(42)
+    model = MLPStack(8)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for mlp in model:
+        _sw()(mlp)
+    _sw()(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gathers = []
+
+    def counting(*args, **kwargs):
+        gathers.append(1)
+        return original(*args, **kwargs)
+
+    original = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+    case = TestCase()  # its assertEqual compares tensors
+    torch.manual_seed(43 + dist.get_rank())
+    for step in range(3):
+        x = torch.randn(2, 8)
+        ref_loss = ref(x).sum()
+        ref_loss.backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+        with patch_all_gather(counting):
+            loss = model(x).sum()
+            loss.backward()
+        case.assertEqual(loss, ref_loss)
+        check_sharded_parity(case, ref, model)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    check_sharded_parity(case, ref, model)
+    assert gathers  # the patched collective was the one called
+
 # torch.func.jvp through a sharded module whose inputs need gradients: the
 # post-backward identity must be a functorch-ready autograd.Function.
 @needs_torch(2, 13, "forward-mode AD through fully_shard")
