@@ -99,79 +99,82 @@ def grad_tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors in ``obj`` that require grad, in the order
     :func:`replace_grad_tensors` consumes them; nothing is rebuilt."""
     found: list[torch.Tensor] = []
-
-    def visit(x: Any, depth: int) -> None:
-        if depth >= _MAX_DEPTH:
-            raise _too_deep("collect_grad_tensors")
-        if isinstance(x, torch.Tensor):
-            if x.requires_grad:
-                found.append(x)
-        elif _is_namedtuple(x):
-            for item in x:
-                visit(item, depth + 1)
-        elif _is_dataclass_instance(x):
-            for f in dataclasses.fields(x):
-                visit(getattr(x, f.name), depth + 1)
-        elif isinstance(x, dict):
-            for value in x.values():
-                visit(value, depth + 1)
-        elif isinstance(x, (list, tuple)):
-            for item in x:
-                visit(item, depth + 1)
-
-    visit(obj, 0)
+    _collect(obj, found, 0)
     return found
+
+
+# Module-level recursion, not closures: a closure that calls itself is a
+# reference cycle, which would keep the tensors it saw (and through their
+# autograd graphs, a dropped model) alive until the garbage collector runs.
+def _collect(x: Any, found: list[torch.Tensor], depth: int) -> None:
+    if depth >= _MAX_DEPTH:
+        raise _too_deep("collect_grad_tensors")
+    if isinstance(x, torch.Tensor):
+        if x.requires_grad:
+            found.append(x)
+    elif _is_namedtuple(x):
+        for item in x:
+            _collect(item, found, depth + 1)
+    elif _is_dataclass_instance(x):
+        for f in dataclasses.fields(x):
+            _collect(getattr(x, f.name), found, depth + 1)
+    elif isinstance(x, dict):
+        for value in x.values():
+            _collect(value, found, depth + 1)
+    elif isinstance(x, (list, tuple)):
+        for item in x:
+            _collect(item, found, depth + 1)
 
 
 def replace_grad_tensors(obj: Any, replacements: Iterator[torch.Tensor]) -> Any:
     """``obj`` with each tensor that requires grad replaced by the next of
     ``replacements`` (in :func:`grad_tensors`' order); a container is rebuilt
     only if something inside it was replaced."""
+    return _put(obj, replacements, 0)
 
-    def put(x: Any, depth: int) -> Any:
-        if depth >= _MAX_DEPTH:
-            raise _too_deep("replace_grad_tensors")
-        if isinstance(x, torch.Tensor):
-            return next(replacements) if x.requires_grad else x
-        if _is_namedtuple(x):
-            items = [put(item, depth + 1) for item in x]
-            return type(x)(*items) if any(a is not b for a, b in zip(items, x)) else x
-        if _is_dataclass_instance(x):
-            changes = {}
-            for f in dataclasses.fields(x):
-                old = getattr(x, f.name)
-                new = put(old, depth + 1)
-                if new is not old:
-                    changes[f.name] = new
-            if not changes:
-                return x
-            try:
-                return dataclasses.replace(x, **changes)
-            except TypeError as e:
-                raise TypeError(
-                    f"Failed to reconstruct dataclass {type(x).__qualname__} via dataclasses.replace(). "
-                    f"Dataclasses used as FSDP module inputs/outputs must support dataclasses.replace(): {e}"
-                ) from None
-        if isinstance(x, dict):
-            pairs = {key: put(value, depth + 1) for key, value in x.items()}
-            if all(pairs[key] is value for key, value in x.items()):
-                return x
-            if type(x) is dict:
-                return pairs
-            try:
-                return type(x)(pairs)
-            except TypeError:  # a constructor that takes no mapping first (defaultdict)
-                rebuilt = copy.copy(x)
-                rebuilt.update(pairs)
-                return rebuilt
-        if isinstance(x, (list, tuple)):
-            items = [put(item, depth + 1) for item in x]
-            if all(a is b for a, b in zip(items, x)):
-                return x
-            try:
-                return type(x)(items)
-            except TypeError:  # a subclass with its own constructor
-                return list(items) if isinstance(x, list) else tuple(items)
-        return x
 
-    return put(obj, 0)
+def _put(x: Any, replacements: Iterator[torch.Tensor], depth: int) -> Any:
+    if depth >= _MAX_DEPTH:
+        raise _too_deep("replace_grad_tensors")
+    if isinstance(x, torch.Tensor):
+        return next(replacements) if x.requires_grad else x
+    if _is_namedtuple(x):
+        items = [_put(item, replacements, depth + 1) for item in x]
+        return type(x)(*items) if any(a is not b for a, b in zip(items, x)) else x
+    if _is_dataclass_instance(x):
+        changes = {}
+        for f in dataclasses.fields(x):
+            old = getattr(x, f.name)
+            new = _put(old, replacements, depth + 1)
+            if new is not old:
+                changes[f.name] = new
+        if not changes:
+            return x
+        try:
+            return dataclasses.replace(x, **changes)
+        except TypeError as e:
+            raise TypeError(
+                f"Failed to reconstruct dataclass {type(x).__qualname__} via dataclasses.replace(). "
+                f"Dataclasses used as FSDP module inputs/outputs must support dataclasses.replace(): {e}"
+            ) from None
+    if isinstance(x, dict):
+        pairs = {key: _put(value, replacements, depth + 1) for key, value in x.items()}
+        if all(pairs[key] is value for key, value in x.items()):
+            return x
+        if type(x) is dict:
+            return pairs
+        try:
+            return type(x)(pairs)
+        except TypeError:  # a constructor that takes no mapping first (defaultdict)
+            rebuilt = copy.copy(x)
+            rebuilt.update(pairs)
+            return rebuilt
+    if isinstance(x, (list, tuple)):
+        items = [_put(item, replacements, depth + 1) for item in x]
+        if all(a is b for a, b in zip(items, x)):
+            return x
+        try:
+            return type(x)(items)
+        except TypeError:  # a subclass with its own constructor
+            return list(items) if isinstance(x, list) else tuple(items)
+    return x
