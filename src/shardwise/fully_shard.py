@@ -536,7 +536,7 @@ def fully_shard(
         ignored_params=ignored_params,
         dp_mesh_dims=dp_mesh_dims,
     )
-    state.warn_view_outputs = True  # PyTorch's fully_shard warns, FSDP1 does not
+    state.fully_shard_rules = True  # PyTorch's fully_shard's, not FSDP1's ([Note: walking forward containers])
     for m in modules:
         cls = type(m)
         fsdp_cls = _FSDP_CLASSES.get(cls)

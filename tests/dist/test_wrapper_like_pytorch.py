@@ -990,6 +990,53 @@ def test_outputs_containers_are_rebuilt_like_fsdp1():
     assert seen[0] == seen[1] == [("dict", 8.0), ("Tagged", 2.0)], seen
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
 
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@multi_rank(world_sizes=(2,))
+def test_a_set_in_a_units_outputs_gets_the_pre_backward_like_fsdp1(strategy):
+    """FSDP1 finds the tensors to hook for its pre-backward with its cast
+    walk, which opens sets. Ours did not: a unit returning its output in a
+    set got no pre-backward, so FULL_SHARD failed in backward (parameters
+    resharded) and SHARD_GRAD_OP silently trained with wrong gradients."""
+    import torch.distributed as dist
+
+    from shardwise import ShardingStrategy
+    from shardwise.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    class Leaf(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return {torch.tanh(self.lin(x)), "tag"}
+
+    class Top(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin0, self.leaf, self.lin1 = nn.Linear(8, 8), Leaf(), nn.Linear(8, 8)
+
+        def forward(self, x):
+            s = self.leaf(self.lin0(x))
+            return {self.lin1(next(t for t in s if isinstance(t, torch.Tensor))), "tag"}
+
+    ours, theirs = _both(ModuleWrapPolicy({Leaf}), TorchPolicy({Leaf}), base=Top(),
+                         sharding_strategy=getattr(ShardingStrategy, strategy))
+    losses = []
+    for m in (ours, theirs):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        seen = []
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            loss = next(t for t in m(x) if isinstance(t, torch.Tensor)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append(loss.detach())
+        losses.append(torch.stack(seen))
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
 # A forward inside summon_full_params (nested units, FULL_SHARD): as under
 # PyTorch it runs on the whole parameters (same outputs) and the context exits
 # cleanly (it used to fail: the blocks resharded after their forward). Training

@@ -230,9 +230,11 @@ class ModuleState:
         self.device = device
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None  # decided at the first forward
-        # Warn, as PyTorch's fully_shard does, when an output needing gradients
-        # is a view: an in-place op on it would drop the pre-backward hook.
-        self.warn_view_outputs = False
+        # Set by fully_shard: PyTorch's fully_shard warns when an output needing
+        # gradients is a view (an in-place op on it would drop the pre-backward
+        # hook), and finds outputs' tensors without opening sets; FSDP1 (the
+        # wrapper) does not warn and opens sets.
+        self.fully_shard_rules = False
         # A parameter another fully_shard already manages (found by fully_shard,
         # reported at the first forward, as PyTorch does), and what names it.
         self.conflict: str | None = None
@@ -459,8 +461,8 @@ class ModuleState:
         return output
 
     def _register_pre_backward(self, output: Any) -> Any:
-        tensors = grad_tensors(output)
-        if self.warn_view_outputs:
+        tensors = grad_tensors(output, in_sets=not self.fully_shard_rules)
+        if self.fully_shard_rules:
             for t in tensors:  # once per view, as PyTorch warns
                 if t._base is not None:
                     self._warn_view_output()

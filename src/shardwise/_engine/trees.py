@@ -19,11 +19,13 @@ difference, so each walk here follows PyTorch's:
   then runs: a dataclass *class* passed as an argument is left alone
   (PyTorch calls ``replace`` on it), and a ``PackedSequence`` is cast like
   the namedtuple it is (PyTorch casts a throwaway copy, and an LSTM with
-  low-precision weights then refuses the full-precision data).
+  low-precision weights then refuses the full-precision data); one that
+  nothing changed comes back as the same object, as PyTorch's does.
 - **Finding the tensors that need autograd hooks** (inputs for the
   post-backward, outputs for the pre-backward): :func:`grad_tensors`, which
   rebuilds nothing. It opens namedtuples, dataclasses (every field), dicts,
-  lists and tuples, not sets.
+  lists and tuples; sets too for the wrapper's outputs (FSDP1 registers
+  its pre-backward hooks with its cast walk), not for ``fully_shard``'s.
 - **Putting the inputs' autograd-tracked replacements back**:
   :func:`replace_grad_tensors`, the same order, rebuilding only a container
   whose contents changed; a dict subclass through its constructor, falling
@@ -36,10 +38,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 __all__ = ["cast_floats", "grad_tensors", "map_tensors", "replace_grad_tensors"]
 
@@ -72,7 +75,10 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     if isinstance(obj, dict):
         return {key: map_tensors(fn, value) for key, value in obj.items()}
     if _is_namedtuple(obj):
-        return type(obj)(*(map_tensors(fn, x) for x in obj))
+        items = [map_tensors(fn, x) for x in obj]
+        if isinstance(obj, PackedSequence) and all(a is b for a, b in zip(items, obj)):
+            return obj  # PyTorch returns a PackedSequence itself
+        return type(obj)(*items)
     if isinstance(obj, (list, tuple, set)):
         return type(obj)(map_tensors(fn, x) for x in obj)
     return obj
@@ -95,18 +101,20 @@ def _too_deep(what: str) -> RuntimeError:
     )
 
 
-def grad_tensors(obj: Any) -> list[torch.Tensor]:
+def grad_tensors(obj: Any, *, in_sets: bool = False) -> list[torch.Tensor]:
     """The tensors in ``obj`` that require grad, in the order
-    :func:`replace_grad_tensors` consumes them; nothing is rebuilt."""
+    :func:`replace_grad_tensors` consumes them; nothing is rebuilt. With
+    ``in_sets``, also those inside sets (FSDP1 registers its pre-backward
+    hooks with its cast walk, which opens them)."""
     found: list[torch.Tensor] = []
-    _collect(obj, found, 0)
+    _collect(obj, found, 0, (list, tuple, set) if in_sets else (list, tuple))
     return found
 
 
 # Module-level recursion, not closures: a closure that calls itself is a
 # reference cycle, which would keep the tensors it saw (and through their
 # autograd graphs, a dropped model) alive until the garbage collector runs.
-def _collect(x: Any, found: list[torch.Tensor], depth: int) -> None:
+def _collect(x: Any, found: list[torch.Tensor], depth: int, sequences: tuple[type, ...]) -> None:
     if depth >= _MAX_DEPTH:
         raise _too_deep("collect_grad_tensors")
     if isinstance(x, torch.Tensor):
@@ -114,16 +122,16 @@ def _collect(x: Any, found: list[torch.Tensor], depth: int) -> None:
             found.append(x)
     elif _is_namedtuple(x):
         for item in x:
-            _collect(item, found, depth + 1)
+            _collect(item, found, depth + 1, sequences)
     elif _is_dataclass_instance(x):
         for f in dataclasses.fields(x):
-            _collect(getattr(x, f.name), found, depth + 1)
+            _collect(getattr(x, f.name), found, depth + 1, sequences)
     elif isinstance(x, dict):
         for value in x.values():
-            _collect(value, found, depth + 1)
-    elif isinstance(x, (list, tuple)):
-        for item in x:
-            _collect(item, found, depth + 1)
+            _collect(value, found, depth + 1, sequences)
+    elif isinstance(x, sequences):
+        for item in cast(Iterable[Any], x):
+            _collect(item, found, depth + 1, sequences)
 
 
 def replace_grad_tensors(obj: Any, replacements: Iterator[torch.Tensor]) -> Any:
