@@ -62,11 +62,11 @@ def _shard_stack(model, **kw):
     fully_shard(model, **kw)
 
 
-def _train_and_compare(model, ref, steps=3, forward=None, lr=0.05, opts=None):
+def _train_and_compare(model, ref, steps=3, forward=None, lr=0.05, opts=None, data=_data):
     forward = forward or (lambda m, x: m(x).sum())
     opt, ropt = opts or (torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr))
     for step in range(steps):
-        x = _data(step)
+        x = data(step)
         loss = forward(model, x)
         loss.backward()
         rloss = forward(ref, x)
@@ -587,22 +587,7 @@ def test_a_block_called_twice_under_reentrant_checkpointing_trains_like_unsharde
 
     from shardwise import fully_shard
 
-    torch.manual_seed(0)
-    model = _Reused(calls=2)
-    ref = copy.deepcopy(model)
-    fully_shard(model.block, reshard_after_forward=reshard)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
-        model(x).pow(2).mean().backward()
-        ref(x).pow(2).mean().backward()
-        replicate_grads(ref)
-        assert all(isinstance(p, DTensor) for p in model.block.parameters())  # resharded after backward
-        assert_models_match(model, ref, msg=f"step {step}")
-        opt.step()
-        ropt.step()
-        opt.zero_grad()
-        ropt.zero_grad()
-    assert_models_match(model, ref, check_grads=False)
+    model, ref = _pair(lambda: _Reused(calls=2), lambda m: (fully_shard(m.block, reshard_after_forward=reshard), fully_shard(m)))
+    opts = (torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    _train_and_compare(model, ref, forward=lambda m, x: m(x).pow(2).mean(), opts=opts, data=lambda step: _data(step, dim=8))
+    assert all(isinstance(p, DTensor) for p in model.block.parameters())  # resharded after each backward
